@@ -1,0 +1,1 @@
+"""Checkpoint readers (Hugging Face, mamba_ssm, Codestral-style) and orbax I/O."""

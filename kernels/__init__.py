@@ -1,0 +1,1 @@
+"""Scan kernels (Pallas) and their pure-jnp references, behind one dispatcher (``impl``)."""

@@ -1,0 +1,170 @@
+"""The model configuration shared by Mamba-1 and Mamba-2, and the parameter shapes it implies.
+
+Shape glossary (used across the library):
+    b batch, l sequence length, d model width (d_model), e inner width (expand * d),
+    n state size (d_state), r dt rank (Mamba-1), h heads, p head dim (e = h * p, Mamba-2),
+    g groups (Mamba-2 B/C), k conv width (d_conv), v vocabulary rows (padded).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any
+
+ACTIVATIONS = ("silu", "relu", "identity")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MambaConfig:
+    """Architecture of a Mamba-1 (``version=1``) or Mamba-2 (``version=2``) language model.
+
+    ``vocab_size`` is the number of embedding rows (padded vocabulary). ``activation`` is the
+    post-conv activation of the value path (the output gate is always SiLU, as in the reference).
+    ``time_step_limit`` clamps Mamba-2's Delta (the default ``(0, inf)`` is a no-op).
+    """
+
+    version: int
+    d_model: int
+    n_layers: int
+    vocab_size: int
+    d_state: int = 16
+    d_conv: int = 4
+    expand: int = 2
+    dt_rank: int = 0  # Mamba-1; 0 means ceil(d_model / 16)
+    head_dim: int = 64  # Mamba-2
+    n_groups: int = 1  # Mamba-2
+    chunk_size: int = 256  # Mamba-2 (only changes rounding)
+    conv_bias: bool = True
+    proj_bias: bool = False  # bias on in_proj and out_proj
+    rms_eps: float = 1e-5
+    tie_embeddings: bool = True
+    activation: str = "silu"
+    time_step_limit: tuple[float, float] = (0.0, math.inf)
+    vocab_size_unpadded: int | None = None
+
+    def __post_init__(self):
+        if self.version not in (1, 2):
+            raise ValueError(f"MambaConfig.version must be 1 or 2, found {self.version!r}")
+        for name in ("d_model", "n_layers", "vocab_size", "d_state", "d_conv", "expand"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"MambaConfig.{name} must be a positive int, found {value!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"MambaConfig.activation must be one of {ACTIVATIONS}, found {self.activation!r}")
+        if self.dt_rank == 0:
+            object.__setattr__(self, "dt_rank", math.ceil(self.d_model / 16))
+        object.__setattr__(self, "time_step_limit", tuple(float(x) for x in self.time_step_limit))
+        if self.version == 2:
+            if self.d_inner % self.head_dim:
+                raise ValueError(
+                    f"Mamba-2 inner width {self.d_inner} (expand*d_model) is not a multiple of "
+                    f"head_dim {self.head_dim}"
+                )
+            if self.n_heads % self.n_groups:
+                raise ValueError(f"Mamba-2 n_heads {self.n_heads} is not a multiple of n_groups {self.n_groups}")
+
+    @property
+    def d_inner(self) -> int:
+        """Inner width e = expand * d_model."""
+        return self.expand * self.d_model
+
+    @property
+    def n_heads(self) -> int:
+        """Mamba-2 heads h = e / p (Mamba-1: one 'head' per channel, returns e)."""
+        return self.d_inner // self.head_dim if self.version == 2 else self.d_inner
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels through the depthwise conv: e (Mamba-1) or e + 2gn (Mamba-2: x, B, C)."""
+        if self.version == 1:
+            return self.d_inner
+        return self.d_inner + 2 * self.n_groups * self.d_state
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-safe dict (infinity written as the string "inf")."""
+        out = dataclasses.asdict(self)
+        out["time_step_limit"] = [_float_to_json(x) for x in self.time_step_limit]
+        return out
+
+    def to_json(self) -> str:
+        """The config as indented JSON (``MambaConfig.from_dict(json.loads(...))`` reads it back)."""
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MambaConfig:
+        """Build from :meth:`to_dict` output; unknown keys are an error naming them."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown latim-jax config field(s) {unknown}; expected a subset of {sorted(known)}")
+        data = dict(data)
+        if "time_step_limit" in data:
+            data["time_step_limit"] = tuple(_float_from_json(x) for x in data["time_step_limit"])
+        return cls(**data)
+
+
+def _float_to_json(x: float) -> float | str:
+    return "inf" if math.isinf(x) and x > 0 else x
+
+
+def _float_from_json(x: Any) -> float:
+    if isinstance(x, dict) and "__float__" in x:
+        x = x["__float__"]
+    if isinstance(x, str):
+        return float(x.replace("Infinity", "inf"))
+    return float(x)
+
+
+def param_shapes(config: MambaConfig) -> dict[str, Any]:
+    """The parameter tree a model of ``config`` holds: nested dicts of shape tuples.
+
+    Layout (math orientation: activations right-multiply, ``y = x @ W``):
+        embedding (v, d); norm_f (d,); lm_head (v, d) when untied;
+        layers: a list of {"norm": (d,), "mixer": {...}}.
+    Mamba-1 mixer: in_proj (d, 2e), conv_w (k, e) [conv_w[k-1] multiplies the current token],
+        conv_b (e,), x_proj (e, r+2n), dt_proj (r, e), dt_bias (e,), A_log (e, n), D (e,),
+        out_proj (e, d); in_proj_b (2e,) and out_proj_b (d,) when proj_bias.
+    Mamba-2 mixer: in_proj (d, 2e+2gn+h) [order z, x, B, C, dt], conv_w (k, e+2gn), conv_b (e+2gn,),
+        dt_bias (h,), A_log (h,), D (h,), norm_w (e,), out_proj (e, d); biases as in Mamba-1.
+    """
+    c = config
+    e, n, k, d = c.d_inner, c.d_state, c.d_conv, c.d_model
+    if c.version == 1:
+        mixer = {
+            "in_proj": (d, 2 * e),
+            "conv_w": (k, e),
+            "x_proj": (e, c.dt_rank + 2 * n),
+            "dt_proj": (c.dt_rank, e),
+            "dt_bias": (e,),
+            "A_log": (e, n),
+            "D": (e,),
+            "out_proj": (e, d),
+        }
+        in_width = 2 * e
+    else:
+        h = c.n_heads
+        in_width = 2 * e + 2 * c.n_groups * n + h
+        mixer = {
+            "in_proj": (d, in_width),
+            "conv_w": (k, c.conv_dim),
+            "dt_bias": (h,),
+            "A_log": (h,),
+            "D": (h,),
+            "norm_w": (e,),
+            "out_proj": (e, d),
+        }
+    if c.conv_bias:
+        mixer["conv_b"] = (c.conv_dim,)
+    if c.proj_bias:
+        mixer["in_proj_b"] = (in_width,)
+        mixer["out_proj_b"] = (d,)
+    tree: dict[str, Any] = {
+        "embedding": (c.vocab_size, d),
+        "layers": [{"norm": (d,), "mixer": dict(mixer)} for _ in range(c.n_layers)],
+        "norm_f": (d,),
+    }
+    if not c.tie_embeddings:
+        tree["lm_head"] = (c.vocab_size, d)
+    return tree
