@@ -1,0 +1,75 @@
+"""Stateless building blocks shared by both Mamba versions (shape letters: see latim_jax.config).
+
+Every function keeps the math that the reference keeps in fp32 in fp32 and returns fp32 unless said.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+f32 = jnp.float32
+
+
+def rms_norm(x, w, eps):
+    """RMSNorm over the last axis: x * rsqrt(mean(x^2) + eps) * w, in fp32."""
+    x = x.astype(f32)
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w.astype(f32)
+
+
+def group_rms(q, n_groups, eps):
+    """rms of each of ``n_groups`` contiguous channel blocks of q (b, l, e), broadcast back to (b, l, e)."""
+    *lead, e = q.shape
+    qg = q.astype(f32).reshape(*lead, n_groups, e // n_groups)
+    rms = jnp.sqrt(jnp.mean(qg * qg, axis=-1, keepdims=True) + eps)
+    return jnp.broadcast_to(rms, qg.shape).reshape(*lead, e)
+
+
+def activation(name):
+    """The post-conv activation by name ('silu', 'relu', 'identity')."""
+    return {"silu": jax.nn.silu, "relu": jax.nn.relu, "identity": lambda a: a}[name]
+
+
+def activation_gate(name, c):
+    """s = act(c) / c as used by the exact decomposition: sigma(c) for SiLU, [c > 0] for ReLU, 1 for identity."""
+    c = c.astype(f32)
+    if name == "silu":
+        return jax.nn.sigmoid(c)
+    if name == "relu":
+        return (c > 0).astype(f32)
+    return jnp.ones_like(c)
+
+
+def causal_conv(u, conv_w, conv_b=None):
+    """Depthwise causal cross-correlation: c[t] = b + sum_k conv_w[k] * u[t - (K-1) + k] (zeros before 0).
+
+    u (b, l, c); conv_w (k, c) with conv_w[k-1] on the current token; returns fp32 (b, l, c).
+    """
+    K = conv_w.shape[0]
+    L = u.shape[1]
+    u_pad = jnp.pad(u.astype(f32), ((0, 0), (K - 1, 0), (0, 0)))
+    w = conv_w.astype(f32)
+    c = sum(w[k] * u_pad[:, k : k + L] for k in range(K))
+    if conv_b is not None:
+        c = c + conv_b.astype(f32)
+    return c
+
+
+def causal_conv_step(conv_cache, u_t, conv_w, conv_b=None):
+    """One conv step. conv_cache (b, k-1, c) holds the previous k-1 inputs; u_t (b, c).
+
+    Returns (c_t (b, c) fp32, new_cache).
+    """
+    window = jnp.concatenate([conv_cache.astype(f32), u_t.astype(f32)[:, None]], axis=1)  # (b, k, c)
+    c_t = jnp.einsum("bkc,kc->bc", window, conv_w.astype(f32))
+    if conv_b is not None:
+        c_t = c_t + conv_b.astype(f32)
+    return c_t, window[:, 1:].astype(conv_cache.dtype)
+
+
+def linear(x, w, b=None):
+    """x @ w (+ b) in the weight's dtype with fp32 accumulation; returns fp32."""
+    y = jnp.matmul(x.astype(w.dtype), w, preferred_element_type=f32)
+    if b is not None:
+        y = y + b.astype(f32)
+    return y

@@ -1,0 +1,188 @@
+"""Mamba-1 and Mamba-2 mixers as Flax NNX modules (shape letters: see latim_jax.config).
+
+Each mixer computes its per-layer intermediates once (:meth:`intermediates`): the value path u, the
+conv pre-activation c, Delta, B, C, the scan output y and the output multiplier G. The forward is
+``o = (y * G) @ W_out (+ b_out)``, and the LaTIM decomposition reads the very same intermediates, so
+there is one copy of the forward math.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from latim_jax.config import MambaConfig
+from latim_jax.kernels import dispatch
+from latim_jax.kernels.selective_scan import selective_scan_step_reference
+from latim_jax.kernels.ssd import ssd_step_reference
+from latim_jax.layers import activation, causal_conv, causal_conv_step, f32, group_rms, linear
+
+_PARAM_NAMES = ("in_proj", "in_proj_b", "conv_w", "conv_b", "x_proj", "dt_proj", "dt_bias", "A_log", "D",
+                "norm_w", "out_proj", "out_proj_b")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Intermediates:
+    """What one mixer computed for one input (fp32).
+
+    u: (b, l, c) conv input (Mamba-1: c = e; Mamba-2: c = e + 2gn, the xBC slice; only x is a value)
+    c: (b, l, c) conv pre-activation (bias included); v = act(c)
+    delta: (b, l, e) Mamba-1 / (b, l, h) Mamba-2
+    B, C: (b, l, n) Mamba-1 / (b, l, g, n) Mamba-2
+    y: (b, l, e) scan output including the D skip term
+    G: (b, l, e) output multiplier: SiLU(z) (Mamba-1), w_norm * SiLU(z) / rms_group(y * SiLU(z)) (Mamba-2)
+    """
+
+    u: jax.Array
+    c: jax.Array
+    delta: jax.Array
+    B: jax.Array
+    C: jax.Array
+    y: jax.Array
+    G: jax.Array
+
+
+class _Mixer(nnx.Module):
+    """Shared parameter handling."""
+
+    def __init__(self, config: MambaConfig, params: dict):
+        self.config = config
+        for name in _PARAM_NAMES:
+            if name in params:
+                setattr(self, name, nnx.Param(jnp.asarray(params[name])))
+
+    def _get(self, name):
+        p = getattr(self, name, None)
+        return None if p is None else p[...]
+
+    def param_dict(self) -> dict:
+        """The mixer's parameters as a plain dict of arrays (the layout of config.param_shapes)."""
+        return {n: getattr(self, n)[...] for n in _PARAM_NAMES if hasattr(self, n)}
+
+    @property
+    def A(self):
+        """A = -exp(A_log) in fp32: (e, n) Mamba-1, (h,) Mamba-2."""
+        return -jnp.exp(self.A_log[...].astype(f32))
+
+    def __call__(self, x, *, impl="auto"):
+        """Mixer output o (b, l, d) fp32 for the normalised input x (b, l, d)."""
+        return self.output(self.intermediates(x, impl=impl))
+
+    def output(self, inter: Intermediates):
+        """o = (y * G) @ W_out (+ b_out)."""
+        return linear(inter.y * inter.G, self.out_proj[...], self._get("out_proj_b"))
+
+
+class Mamba1Mixer(_Mixer):
+    """The Mamba-1 selective-scan mixer (reference semantics of transformers' MambaMixer)."""
+
+    def split_in_proj(self, x):
+        """x (b, l, d) -> u, z (b, l, e) fp32."""
+        xz = linear(x, self.in_proj[...], self._get("in_proj_b"))
+        e = self.config.d_inner
+        return xz[..., :e], xz[..., e:]
+
+    def ssm_params(self, v):
+        """v (b, l, e) -> Delta (b, l, e), B, C (b, l, n), all fp32."""
+        c = self.config
+        dbc = linear(v, self.x_proj[...])
+        dt_low, B, C = jnp.split(dbc, [c.dt_rank, c.dt_rank + c.d_state], axis=-1)
+        delta = jax.nn.softplus(linear(dt_low, self.dt_proj[...]) + self.dt_bias[...].astype(f32))
+        return delta, B, C
+
+    def intermediates(self, x, *, impl="auto") -> Intermediates:
+        """All per-layer quantities for the input x (b, l, d)."""
+        u, z = self.split_in_proj(x)
+        conv_in = u.astype(self.in_proj[...].dtype)  # the reference convolves in the weight dtype
+        c = causal_conv(conv_in, self.conv_w[...], self._get("conv_b"))
+        v = activation(self.config.activation)(c)
+        delta, B, C = self.ssm_params(v)
+        y, _ = dispatch.selective_scan(v, delta, self.A, B, C, self.D[...], impl=impl)
+        return Intermediates(u=u, c=c, delta=delta, B=B, C=C, y=y, G=jax.nn.silu(z))
+
+    def init_cache(self, batch: int):
+        """Zero recurrent cache: (conv (b, k-1, e), ssm (b, e, n))."""
+        c = self.config
+        return (jnp.zeros((batch, c.d_conv - 1, c.conv_dim), f32), jnp.zeros((batch, c.d_inner, c.d_state), f32))
+
+    def step(self, x_t, cache):
+        """One token x_t (b, d) -> (o_t (b, d), cache)."""
+        conv_cache, state = cache
+        u, z = self.split_in_proj(x_t)
+        c_t, conv_cache = causal_conv_step(conv_cache, u.astype(self.in_proj[...].dtype), self.conv_w[...], self._get("conv_b"))
+        v = activation(self.config.activation)(c_t)
+        delta, B, C = self.ssm_params(v)
+        y, state = selective_scan_step_reference(state, v, delta, self.A, B, C, self.D[...])
+        o = linear(y * jax.nn.silu(z), self.out_proj[...], self._get("out_proj_b"))
+        return o, (conv_cache, state)
+
+
+class Mamba2Mixer(_Mixer):
+    """The Mamba-2 SSD mixer with grouped gated RMSNorm (transformers' Mamba2Mixer semantics)."""
+
+    def split_in_proj(self, x):
+        """x (b, l, d) -> z (b, l, e), xBC (b, l, e+2gn), dt (b, l, h), fp32."""
+        c = self.config
+        zxbcdt = linear(x, self.in_proj[...], self._get("in_proj_b"))
+        e = c.d_inner
+        return zxbcdt[..., :e], zxbcdt[..., e : e + c.conv_dim], zxbcdt[..., e + c.conv_dim :]
+
+    def split_xbc(self, v):
+        """Post-activation xBC (..., e+2gn) -> x (..., h, p), B, C (..., g, n)."""
+        c = self.config
+        e, gn = c.d_inner, c.n_groups * c.d_state
+        lead = v.shape[:-1]
+        x = v[..., :e].reshape(*lead, c.n_heads, c.head_dim)
+        B = v[..., e : e + gn].reshape(*lead, c.n_groups, c.d_state)
+        C = v[..., e + gn :].reshape(*lead, c.n_groups, c.d_state)
+        return x, B, C
+
+    def delta(self, dt):
+        """Delta = clamp(softplus(dt + dt_bias), time_step_limit), (..., h) fp32."""
+        lo, hi = self.config.time_step_limit
+        return jnp.clip(jax.nn.softplus(dt + self.dt_bias[...].astype(f32)), lo, hi)
+
+    def gate(self, y, z):
+        """G = w_norm * SiLU(z) / rms_group(y * SiLU(z)); y, z (..., e)."""
+        c = self.config
+        g = jax.nn.silu(z)
+        return self.norm_w[...].astype(f32) * g / group_rms(y * g, c.n_groups, c.rms_eps)
+
+    def intermediates(self, x, *, impl="auto") -> Intermediates:
+        """All per-layer quantities for the input x (b, l, d)."""
+        c = self.config
+        z, u, dt = self.split_in_proj(x)
+        conv = causal_conv(u.astype(self.in_proj[...].dtype), self.conv_w[...], self._get("conv_b"))
+        v = activation(c.activation)(conv)
+        xs, B, C = self.split_xbc(v)
+        delta = self.delta(dt)
+        y, _ = dispatch.ssd(xs, delta, self.A, B, C, self.D[...], c.chunk_size, impl=impl)
+        y = y.reshape(*y.shape[:-2], c.d_inner)
+        return Intermediates(u=u, c=conv, delta=delta, B=B, C=C, y=y, G=self.gate(y, z))
+
+    def init_cache(self, batch: int):
+        """Zero recurrent cache: (conv (b, k-1, e+2gn), ssm (b, h, p, n))."""
+        c = self.config
+        return (jnp.zeros((batch, c.d_conv - 1, c.conv_dim), f32),
+                jnp.zeros((batch, c.n_heads, c.head_dim, c.d_state), f32))
+
+    def step(self, x_t, cache):
+        """One token x_t (b, d) -> (o_t (b, d), cache)."""
+        c = self.config
+        conv_cache, state = cache
+        z, u, dt = self.split_in_proj(x_t)
+        c_t, conv_cache = causal_conv_step(conv_cache, u.astype(self.in_proj[...].dtype), self.conv_w[...], self._get("conv_b"))
+        xs, B, C = self.split_xbc(activation(c.activation)(c_t))
+        y, state = ssd_step_reference(state, xs, self.delta(dt), self.A, B, C, self.D[...])
+        y = y.reshape(y.shape[0], c.d_inner)
+        o = linear(y * self.gate(y, z), self.out_proj[...], self._get("out_proj_b"))
+        return o, (conv_cache, state)
+
+
+def make_mixer(config: MambaConfig, params: dict) -> _Mixer:
+    """The mixer module of ``config.version`` holding ``params`` (one layer's 'mixer' dict)."""
+    return (Mamba1Mixer if config.version == 1 else Mamba2Mixer)(config, params)
