@@ -1,0 +1,152 @@
+"""LaTIM: one Mamba layer's output written as a sum over source tokens (see latim-math.md, sections 1-3).
+
+For target i and source j (shape letters: see latim_jax.config; K conv width, w_k the conv taps in
+lag order, w_k = conv_w[K-1-k]):
+
+    exact:  T_i(x_j) = W_out( G_i * sum_{k=0}^{K-1} M_{i,j+k} * a_k[j] ),  a_k[j] = w_k * s_{j+k} * u_j
+            beta_i   = W_out( G_i * sum_{t<=i} M_{i,t} * s_t * cbias_t ) + b_out
+            o_i      = sum_{j<=i} T_i(x_j) + beta_i                       (to float rounding)
+    paper:  a_k[j] = f(w_k * u_j + [k=0] b_conv)  (the published additive approximation), beta_i = b_out
+
+s_t = act(c_t) / c_t from the forward (sigma for SiLU), u_j the token's value input (in_proj output
+without bias), cbias_t = b_conv + the in_proj bias carried through the conv taps that reach real
+tokens. Mamba-2: only the x slice of xBC is a value, M is per head (expanded to its p channels), and
+G_i = w_norm * SiLU(z_i) / rms_group(q_i). Everything data-dependent is read from the mixer's own
+:class:`~latim_jax.mixers.Intermediates`: there is no second copy of the forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import jax
+import jax.numpy as jnp
+
+from latim_jax.hidden_attention import Decay, compensated_cumsum, hidden_attention_block
+from latim_jax.kernels import dispatch
+from latim_jax.layers import activation, activation_gate, causal_conv, f32, linear
+
+MODES = ("exact", "paper")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerFactors:
+    """Everything the per-pair contributions of one layer are built from (fp32).
+
+    a: (K, b, l, e) per-source tap values; G: (b, l, e); W_out: (e, d);
+    A, D, delta, B, C, decay: the hidden-attention inputs (see latim_jax.hidden_attention);
+    bias: (b, l, d) the non-token term beta; output: (b, l, d) the mixer output o; h: (b, l, d) the
+    residual stream entering the layer.
+    """
+
+    version: int = dataclasses.field(metadata=dict(static=True))
+    mode: str = dataclasses.field(metadata=dict(static=True))
+    heads: int = dataclasses.field(metadata=dict(static=True))
+    a: jax.Array
+    G: jax.Array
+    W_out: jax.Array
+    A: jax.Array
+    D: jax.Array
+    delta: jax.Array
+    B: jax.Array
+    C: jax.Array
+    decay: Decay
+    bias: jax.Array
+    output: jax.Array
+    h: jax.Array
+
+    @property
+    def length(self) -> int:
+        """Sequence length l."""
+        return self.G.shape[1]
+
+
+def check_mode(mode: str) -> str:
+    """Validate a decomposition mode name."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, found {mode!r}")
+    return mode
+
+
+def layer_factors(model, h, layer: int, mode: str = "exact", *, impl: str = "auto") -> LayerFactors:
+    """The factors of layer ``layer`` for the residual stream h (b, l, d) entering it."""
+    check_mode(mode)
+    block = model.layers[layer]
+    mixer, cfg = block.mixer, model.config
+    inter = mixer.intermediates(block.normed(h), impl=impl)
+    e, K = cfg.d_inner, cfg.d_conv
+    w_lag = mixer.conv_w[...].astype(f32)[::-1, :e]  # (K, e): w_k multiplies u_{t-k}
+    c = inter.c[..., :e]
+    b_in = mixer._get("in_proj_b")
+    v_slice = slice(0, e) if cfg.version == 1 else slice(e, 2 * e)
+    b_in = None if b_in is None else b_in.astype(f32)[v_slice]
+    b_conv = mixer._get("conv_b")
+    b_conv = None if b_conv is None else b_conv.astype(f32)[:e]
+    u_full = inter.u[..., :e]
+    W_out = mixer.out_proj[...].astype(f32)
+    b_out = mixer._get("out_proj_b")
+    bias = jnp.zeros_like(h, dtype=f32) if b_out is None else jnp.broadcast_to(b_out.astype(f32), h.shape)
+
+    if mode == "exact":
+        s = activation_gate(cfg.activation, c)
+        u_tok = u_full if b_in is None else u_full - b_in
+        s_pad = jnp.pad(s, ((0, 0), (0, K - 1), (0, 0)))
+        a = jnp.stack([w_lag[k] * s_pad[:, k : k + s.shape[1]] * u_tok for k in range(K)])
+        if b_in is not None or b_conv is not None:
+            ones_in = jnp.zeros_like(u_tok) if b_in is None else jnp.broadcast_to(b_in, u_tok.shape)
+            cbias = causal_conv(ones_in, mixer.conv_w[...][:, :e], b_conv)  # b_conv + taps of b_in
+            y_bias = value_scan(mixer, inter, s * cbias, impl)
+            bias = bias + linear(y_bias * inter.G, W_out)
+    else:
+        f = activation(cfg.activation)
+        a = jnp.stack([f(w_lag[k] * u_full + (b_conv if (k == 0 and b_conv is not None) else 0.0))
+                       for k in range(K)])
+    A = mixer.A
+    return LayerFactors(
+        version=cfg.version, mode=mode, heads=cfg.n_heads if cfg.version == 2 else e,
+        a=a, G=inter.G, W_out=W_out, A=A, D=mixer.D[...].astype(f32), delta=inter.delta, B=inter.B,
+        C=inter.C, decay=compensated_cumsum(inter.delta), bias=bias,
+        output=mixer.output(inter), h=h.astype(f32),
+    )
+
+
+def value_scan(mixer, inter, v, impl):
+    """Run the layer's own SSM (its Delta, B, C, A, D) over the value sequence v (b, l, e)."""
+    cfg = mixer.config
+    if cfg.version == 1:
+        y, _ = dispatch.selective_scan(v, inter.delta, mixer.A, inter.B, inter.C, mixer.D[...], impl=impl)
+        return y
+    b, l, e = v.shape
+    x = v.reshape(b, l, cfg.n_heads, cfg.head_dim)
+    y, _ = dispatch.ssd(x, inter.delta, mixer.A, inter.B, inter.C, mixer.D[...], cfg.chunk_size, impl=impl)
+    return y.reshape(b, l, e)
+
+
+def channel_attention(f: LayerFactors, rows, cols, *, with_D=True):
+    """M_{i,t} per value channel for i in rows, t in cols: (b, r, q, e)."""
+    M = hidden_attention_block(f.version, f.A, f.D, f.delta, f.B, f.C, f.decay, rows, cols, with_D=with_D)
+    if f.version == 2:  # per head -> its head_dim channels
+        M = jnp.repeat(M, f.G.shape[-1] // f.heads, axis=-1)
+    return M
+
+
+def pair_values(f: LayerFactors, rows, j0: int | jax.Array, width: int):
+    """V_{i,j} = G_i * sum_k M_{i,j+k} a_k[j] for i in rows, j in [j0, j0 + width): (b, r, width, e).
+
+    T_i(x_j) = V_{i,j} @ W_out. Sources past the end give zeros.
+    """
+    K = f.a.shape[0]
+    cols = j0 + jnp.arange(width + K - 1)
+    M = channel_attention(f, rows, cols)  # (b, r, width + K - 1, e)
+    length = f.length
+    a = jnp.pad(f.a, ((0, 0), (0, 0), (0, width), (0, 0)))
+    a = jax.lax.dynamic_slice_in_dim(a, j0, width, axis=2)  # (K, b, width, e)
+    acc = sum(M[:, :, k : k + width] * a[k][:, None] for k in range(K))
+    src_ok = (j0 + jnp.arange(width)) < length
+    return f.G[:, rows][:, :, None] * acc * src_ok[None, None, :, None]
+
+
+def full_contributions(f: LayerFactors):
+    """T (b, l, l, d): T[:, i, j] = T_i(x_j), exactly zero for j > i."""
+    idx = jnp.arange(f.length)
+    return jnp.einsum("brje,ed->brjd", pair_values(f, idx, 0, f.length), f.W_out)
