@@ -47,12 +47,15 @@ class MambaConfig:
     def __post_init__(self):
         if self.version not in (1, 2):
             raise ValueError(f"MambaConfig.version must be 1 or 2, found {self.version!r}")
-        for name in ("d_model", "n_layers", "vocab_size", "d_state", "d_conv", "expand"):
+        for name in ("d_model", "n_layers", "vocab_size", "d_state", "d_conv", "expand", "head_dim", "n_groups",
+                     "chunk_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"MambaConfig.{name} must be a positive int, found {value!r}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"MambaConfig.activation must be one of {ACTIVATIONS}, found {self.activation!r}")
+        if not isinstance(self.dt_rank, int) or self.dt_rank < 0:
+            raise ValueError(f"MambaConfig.dt_rank must be a positive int (0 = auto), found {self.dt_rank!r}")
         if self.dt_rank == 0:
             object.__setattr__(self, "dt_rank", math.ceil(self.d_model / 16))
         object.__setattr__(self, "time_step_limit", tuple(float(x) for x in self.time_step_limit))

@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 
 from latim_jax.config import MambaConfig, param_shapes
+from latim_jax.jit import jit_model_fn
 from latim_jax.layers import f32, rms_norm
 from latim_jax.mixers import make_mixer
 
@@ -62,8 +63,21 @@ class MambaLM(nnx.Module):
         self.layers = nnx.List([Block(config, p) for p in params["layers"]])
         self.norm_f = nnx.Param(jnp.asarray(params["norm_f"]))
         self.lm_head = nnx.Param(jnp.asarray(params["lm_head"])) if "lm_head" in params else None
-        self.task: dict | None = None
-        self.source: str | None = None
+        self._task_json = ""  # plain strings keep the module's graph hashable
+        self.source = ""
+
+    @property
+    def task(self) -> dict | None:
+        """The synthetic task a shipped model was trained on (a dict), or None."""
+        import json
+
+        return json.loads(self._task_json) if self._task_json else None
+
+    @task.setter
+    def task(self, value: dict | None) -> None:
+        import json
+
+        self._task_json = json.dumps(value, sort_keys=True) if value else ""
 
     @classmethod
     def from_params(cls, config: MambaConfig, params: dict) -> MambaLM:
@@ -117,7 +131,7 @@ class MambaLM(nnx.Module):
     def forward(self, tokens, *, impl="auto") -> ModelOutput:
         """Logits and every layer's residual stream (see :class:`ModelOutput`)."""
         self.check_tokens(tokens)
-        return _forward(self, jnp.asarray(tokens), impl)
+        return _forward(self, jnp.asarray(tokens), impl=impl)
 
     def __call__(self, tokens, *, impl="auto"):
         """Logits (b, l, v) fp32 for int token ids (b, l)."""
@@ -138,7 +152,7 @@ class MambaLM(nnx.Module):
         return self.head(h[:, None])[:, 0], new_cache
 
 
-@nnx.jit(static_argnames=("impl",))
+@jit_model_fn(static_argnames=("impl",))
 def _forward(model: MambaLM, tokens, impl):
     h = model.embed(tokens)
     residuals = [h]

@@ -1,0 +1,37 @@
+"""Baseline attributions: gradient x input at a layer's input (hidden attention lives in scores.py).
+
+grad_input: for target row i with vocabulary entry w_i, c^l_ij = || (d logit_{i,w_i} / d h^l_j) * h^l_j ||_2,
+the l2 norm over d_model of gradient x input at the residual stream h^l entering layer l.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from latim_jax.layers import f32
+
+
+def logits_from_layer(model, h, layer: int, *, impl="auto"):
+    """Run layers ``layer..`` and the head on the residual stream h (b, l, d) -> logits (b, l, v)."""
+    for block in model.layers[layer:]:
+        h = block(h, impl=impl)
+    return model.head(h)
+
+
+def grad_input_scores(model, h, layer: int, rows, targets, *, impl="auto"):
+    """Gradient x input scores (b, len(rows), l) of ``layer`` for rows with vocabulary targets (b, l)."""
+    logits_fn = lambda x: logits_from_layer(model, x, layer, impl=impl)  # noqa: E731
+    _, vjp = jax.vjp(logits_fn, h.astype(f32))
+    b, length = h.shape[:2]
+    vocab = model.config.vocab_size
+
+    def one_row(i):
+        onehot = jax.nn.one_hot(targets[:, i], vocab, dtype=f32)  # (b, v)
+        cot = jnp.zeros((b, length, vocab), f32).at[:, i].set(onehot)
+        (g,) = vjp(cot)
+        gx = g * h
+        sq = jnp.sum(gx * gx, -1)
+        return jnp.where(sq > 0, jnp.sqrt(jnp.where(sq > 0, sq, 1.0)), 0.0)  # (b, l)
+
+    return jnp.moveaxis(jax.lax.map(one_row, rows), 0, 1)
