@@ -8,8 +8,9 @@ __version__ = "0.1.0"
 
 from latim_jax.attribution import attribute, conservation_error, contributions  # noqa: E402
 from latim_jax.config import MambaConfig  # noqa: E402
+from latim_jax.loading import load  # noqa: E402
 from latim_jax.model import MambaLM  # noqa: E402
 from latim_jax.results import Attribution  # noqa: E402
 
-__all__ = ["Attribution", "MambaConfig", "MambaLM", "attribute", "conservation_error", "contributions",
+__all__ = ["Attribution", "MambaConfig", "MambaLM", "attribute", "conservation_error", "contributions", "load",
            "__version__"]

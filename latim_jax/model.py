@@ -65,6 +65,7 @@ class MambaLM(nnx.Module):
         self.lm_head = nnx.Param(jnp.asarray(params["lm_head"])) if "lm_head" in params else None
         self._task_json = ""  # plain strings keep the module's graph hashable
         self.source = ""
+        self.tokenizer_dir = ""
 
     @property
     def task(self) -> dict | None:

@@ -1,0 +1,59 @@
+"""Autoregressive generation on the recurrent step (conv cache + fp32 SSM state per layer)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from latim_jax.jit import jit_model_fn
+
+
+@jit_model_fn
+def prefill(model, tokens):
+    """Run the prompt (b, l) through the recurrent step: (logits of every position (b, l, v), cache)."""
+
+    def body(cache, tok):
+        logits, cache = model.step(tok, cache)
+        return cache, logits
+
+    cache, logits = jax.lax.scan(body, model.init_cache(tokens.shape[0]), tokens.T)
+    return jnp.swapaxes(logits, 0, 1), cache
+
+
+@jit_model_fn(static_argnames=("steps", "temperature", "top_k"))
+def _decode(model, last_logits, cache, key, *, steps, temperature, top_k):
+    def pick(logits, k):
+        if temperature == 0.0:
+            return jnp.argmax(logits, -1)
+        logits = logits / temperature
+        if top_k is not None:
+            kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
+            logits = jnp.where(logits < kth, -jnp.inf, logits)
+        return jax.random.categorical(k, logits, -1)
+
+    def body(carry, k):
+        logits, cache = carry
+        tok = pick(logits, k)
+        logits, cache = model.step(tok, cache)
+        return (logits, cache), tok
+
+    _, toks = jax.lax.scan(body, (last_logits, cache), jax.random.split(key, steps))
+    return toks.T
+
+
+def generate(model, tokens, max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
+             seed: int = 0):
+    """Continue ``tokens`` (b, l) by ``max_new_tokens`` tokens: greedy when temperature == 0, else
+    sampling (optionally top-k). Returns (b, l + max_new_tokens) int32 ids."""
+    tokens = jnp.asarray(tokens)
+    model.check_tokens(tokens)
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, found {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, found {temperature}")
+    if max_new_tokens == 0:
+        return tokens.astype(jnp.int32)
+    logits, cache = prefill(model, tokens)
+    new = _decode(model, logits[:, -1], cache, jax.random.PRNGKey(seed), steps=max_new_tokens,
+                  temperature=float(temperature), top_k=top_k)
+    return jnp.concatenate([tokens.astype(jnp.int32), new.astype(jnp.int32)], axis=1)

@@ -1,0 +1,69 @@
+"""``latim_jax.load``: any supported checkpoint (or a shipped model name, or a hub id) -> MambaLM."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from latim_jax.model import MambaLM
+
+ASSETS = Path(__file__).parent / "assets"
+SHIPPED = ("copy-mamba1", "copy-mamba2")
+DEFAULT_MODEL = "copy-mamba2"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt")
+
+
+def shipped_path(name: str) -> Path:
+    """The directory of a model shipped inside the package ("copy-mamba1" or "copy-mamba2")."""
+    if name not in SHIPPED:
+        raise ValueError(f"unknown shipped model {name!r}; shipped models are {SHIPPED}")
+    path = ASSETS / name
+    if not path.is_dir():
+        raise FileNotFoundError(f"the shipped model {name!r} is missing from this installation ({path})")
+    return path
+
+
+def resolve(source: str | os.PathLike | None) -> Path:
+    """A local directory for ``source``: None (the default shipped model), a shipped name, a local
+    directory, or a Hugging Face hub id (downloaded with huggingface_hub; a clear error offline)."""
+    if source is None:
+        return shipped_path(DEFAULT_MODEL)
+    if isinstance(source, str) and source in SHIPPED:
+        return shipped_path(source)
+    path = Path(source)
+    if path.exists():
+        if not path.is_dir():
+            raise ValueError(f"{path}: expected a checkpoint directory, found a file")
+        return path
+    from latim_jax.convert import resolve_source
+
+    return Path(resolve_source(str(source)))
+
+
+def load(source: str | os.PathLike | None = None, dtype=None) -> MambaLM:
+    """Load a Mamba-1 or Mamba-2 model as a :class:`~latim_jax.model.MambaLM`.
+
+    Args:
+      source: None (the shipped Mamba-2 copy-task model), "copy-mamba1" / "copy-mamba2", a local
+        directory in Hugging Face, mamba_ssm or Codestral format or written by ``latim-jax convert``,
+        or a hub id such as "state-spaces/mamba-130m-hf" (needs network access).
+      dtype: parameter dtype ("float32", "bfloat16", or a jnp dtype); default: as stored.
+
+    The model exposes ``config``, ``source``, ``task`` (shipped models: the task it was trained on)
+    and ``tokenizer_dir`` (the directory holding tokenizer files, or None).
+    """
+    from latim_jax.convert import read_checkpoint
+
+    path = resolve(source)
+    config, params = read_checkpoint(path, dtype=None if dtype is None else jnp.dtype(dtype))
+    model = MambaLM(config, params)
+    model.source = str(source) if source is not None else DEFAULT_MODEL
+    task_file = path / "task.json"
+    if task_file.is_file():
+        model.task = json.loads(task_file.read_text())
+    model.tokenizer_dir = str(path) if any((path / f).is_file() for f in TOKENIZER_FILES) else ""
+    return model

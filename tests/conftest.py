@@ -1,0 +1,63 @@
+"""Shared fixtures: tiny random transformers models saved with save_pretrained (no downloads)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
+
+import numpy as np
+import pytest
+
+torch_needed = pytest.mark.torch
+
+
+def build_hf(version: int, *, seed: int = 0, vocab: int = 48, d_model: int = 16, n_layers: int = 2,
+             d_state: int = 4, d_conv: int = 4, head_dim: int = 8, n_groups: int = 1, chunk_size: int = 8,
+             tied: bool = True, act: str = "silu", use_bias: bool = False, conv_bias: bool = True,
+             dtype: str = "float32"):
+    """A tiny random transformers Mamba(2)ForCausalLM with non-trivial norms, D, A_log and biases."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab, hidden_size=d_model, state_size=d_state, num_hidden_layers=n_layers,
+                  conv_kernel=d_conv, expand=2, hidden_act=act, use_bias=use_bias, use_conv_bias=conv_bias,
+                  tie_word_embeddings=tied)
+    if version == 1:
+        model = transformers.MambaForCausalLM(transformers.MambaConfig(**common))
+    else:
+        cfg = transformers.Mamba2Config(num_heads=2 * d_model // head_dim, head_dim=head_dim, n_groups=n_groups,
+                                        chunk_size=chunk_size, **common)
+        model = transformers.Mamba2ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(".D") or "A_log" in name or "dt_bias" in name or "bias" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    model = model.eval()
+    if dtype == "bfloat16":
+        model = model.to(torch.bfloat16)
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_dir(tmp_path_factory):
+    """save_pretrained a tiny model once per (name, kwargs): returns (directory, transformers model)."""
+    cache = {}
+
+    def make(name: str, version: int, *, max_shard_size=None, **kw):
+        if name not in cache:
+            model = build_hf(version, **kw)
+            path = tmp_path_factory.mktemp(name)
+            extra = {"max_shard_size": max_shard_size} if max_shard_size else {}
+            model.save_pretrained(path, **extra)
+            cache[name] = (path, model)
+        return cache[name]
+
+    return make
+
+
+def rel_err(got, want) -> float:
+    """max |got - want| / max |want|."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
