@@ -5,6 +5,7 @@ residual h_i entering the layer and hout_i = h_i + o_i (latim-math.md, section 4
 
     l2     c_ij = ||T_ij||_2                 l1  c_ij = ||T_ij||_1
     alti   c_ij = max(0, ||hout_i||_1 - ||hout_i - T'_ij||_1), T'_ij = T_ij + [i=j] h_i, rows sum to 1
+           (a row with no positive entry, possible when the bias terms dominate, stays 0)
     logit  c_ij = E_w . (g_f * T_ij) / r_i   (w = the target vocabulary entry of row i)
     hidden_attention  c_ij = mean over channels (Mamba-1) / heads (Mamba-2) of M_{i,j} without D
 
