@@ -15,7 +15,7 @@ from latim_jax.jit import jit_model_fn
 from latim_jax.kernels.dispatch import check_impl
 from latim_jax.layers import f32
 from latim_jax.results import Attribution
-from latim_jax.scores import METHODS, Blocks, layer_scores, token_sum
+from latim_jax.scores import METHODS, Blocks, layer_scores, normalise_alti, token_sum
 
 
 @jax.tree_util.register_dataclass
@@ -194,10 +194,9 @@ def _apply_mask(scores, extra, mask, rows, method):
     keep = mask[:, None, rows, None] & mask[:, None, None, :]
     scores = jnp.where(keep, scores, 0.0)
     if method == "alti":
-        total = scores.sum(-1, keepdims=True)
-        scores = scores / jnp.where(total > 0, total, 1.0)
+        scores = jnp.where(keep, normalise_alti(scores, rows), 0.0)
     if "alti" in extra:
-        a = jnp.where(mask[:, None, :, None] & mask[:, None, None, :], extra["alti"], 0.0)
-        total = a.sum(-1, keepdims=True)
-        extra = {**extra, "alti": a / jnp.where(total > 0, total, 1.0)}
+        full = mask[:, None, :, None] & mask[:, None, None, :]
+        a = jnp.where(full, extra["alti"], 0.0)
+        extra = {**extra, "alti": jnp.where(full, normalise_alti(a, jnp.arange(a.shape[-1])), 0.0)}
     return scores, extra

@@ -102,12 +102,12 @@ class Attribution:
             with np.load(path, allow_pickle=False) as z:
                 meta = json.loads(bytes(z["meta"]).decode())
                 if meta.get("format") != FORMAT:
-                    raise ValueError(f"{path}: not a latim-jax attribution file (format {meta.get('format')!r})")
+                    raise KeyError(f"format {meta.get('format')!r}")
                 extra = {k: jnp.asarray(z[f"extra__{k}"]) for k in meta["extra_keys"]}
                 return cls(scores=jnp.asarray(z["scores"]), tokens=jnp.asarray(z["tokens"]), extra=extra,
                            method=meta["method"], mode=meta["mode"], layers=tuple(meta["layers"]),
                            rows=None if meta["rows"] is None else tuple(meta["rows"]), model=meta["model"])
-        except (KeyError, OSError, EOFError, json.JSONDecodeError) as err:
+        except (KeyError, OSError, EOFError, ValueError, json.JSONDecodeError) as err:
             raise ValueError(f"{path}: cannot read a latim-jax attribution file ({err})") from err
 
 

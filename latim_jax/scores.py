@@ -5,7 +5,8 @@ residual h_i entering the layer and hout_i = h_i + o_i (latim-math.md, section 4
 
     l2     c_ij = ||T_ij||_2                 l1  c_ij = ||T_ij||_1
     alti   c_ij = max(0, ||hout_i||_1 - ||hout_i - T'_ij||_1), T'_ij = T_ij + [i=j] h_i, rows sum to 1
-           (a row with no positive entry, possible when the bias terms dominate, stays 0)
+           (a row with no positive entry, possible when the bias terms dominate, puts 1 on j = i, so
+           every row is a distribution and rollouts stay row-stochastic)
     logit  c_ij = E_w . (g_f * T_ij) / r_i   (w = the target vocabulary entry of row i)
     hidden_attention  c_ij = mean over channels (Mamba-1) / heads (Mamba-2) of M_{i,j} without D
 
@@ -109,9 +110,15 @@ def layer_scores(f: LayerFactors, method: str, rows, *, blocks: Blocks | None = 
     blocks = blocks or Blocks.for_layer(f.version, f.length)
     s = blocked(lambda rb, j0: pair_score(f, method, rb, j0, blocks.cols, aux), rows, f.length, blocks)
     if method == "alti":
-        total = jnp.sum(s, -1, keepdims=True)
-        s = s / jnp.where(total > 0, total, 1.0)
+        s = normalise_alti(s, rows)
     return s
+
+
+def normalise_alti(s, rows):
+    """Divide each row by its sum; a row with no positive entry becomes one-hot on j = i."""
+    total = jnp.sum(s, -1, keepdims=True)
+    self_hot = (jnp.arange(s.shape[-1])[None, :] == rows[:, None]).astype(s.dtype)
+    return jnp.where(total > 0, s / jnp.where(total > 0, total, 1.0), self_hot)
 
 
 def token_sum(f: LayerFactors, rows, *, blocks: Blocks | None = None):

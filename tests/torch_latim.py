@@ -193,6 +193,8 @@ def scores(T, h, o, method, direction=None):
         for j in range(i + 1):
             Tp = T[i, j] + (h[i] if i == j else 0)
             out[i, j] = max(0.0, float(hout[i].abs().sum() - (hout[i] - Tp).abs().sum()))
-        if out[i].sum() > 0:  # a row with no positive score stays 0 (ALTI is undefined there)
+        if out[i].sum() > 0:
             out[i] /= out[i].sum()
+        else:  # no positive score (the bias terms dominate): the library's convention is "all to self"
+            out[i, i] = 1.0
     return out

@@ -1,0 +1,201 @@
+"""Properties of the attribution API on random tiny models (jax only: runs without torch)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import latim_jax
+from latim_jax.config import MambaConfig
+from latim_jax.init import init_params
+from latim_jax.scores import Blocks
+
+TOL = {"fp32": 1e-5, "alti": 5e-5, "grad_fd": 2e-2}
+
+CONFIGS = {
+    "m1": MambaConfig(version=1, d_model=16, n_layers=2, vocab_size=32, d_state=4, d_conv=4),
+    "m2": MambaConfig(version=2, d_model=16, n_layers=2, vocab_size=32, d_state=4, d_conv=3, head_dim=8,
+                      n_groups=2, chunk_size=4),
+}
+
+
+def make(name, **changes):
+    import dataclasses
+
+    cfg = dataclasses.replace(CONFIGS[name], **changes)
+    return latim_jax.MambaLM(cfg, init_params(cfg, seed=3))
+
+
+def tokens(batch=2, length=11, seed=0):
+    return np.random.default_rng(seed).integers(0, 32, (batch, length))
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+@pytest.mark.parametrize("name", ["m1", "m2"])
+def test_rollout_rows_and_logit_identity(name):
+    model = make(name)
+    t = tokens()
+    alti = latim_jax.attribute(model, t, method="alti")
+    R = np.asarray(alti.rollout())
+    row_sums = np.asarray(alti.scores).sum(-1)
+    assert np.allclose(row_sums[row_sums > 0], 1, atol=1e-5)
+    assert np.allclose(R.sum(-1), 1, atol=1e-5) and (R >= 0).all()
+    assert np.allclose(np.asarray(latim_jax.attribute(model, t, method="hidden_attention").rollout()).sum(-1), 1,
+                       atol=1e-5)
+    logit = latim_jax.attribute(model, t, method="logit")
+    # per layer: direct + sum_l sum_j c^l_ij + sum_l bias^l = the model's logit
+    direct = np.asarray(logit.extra["direct"]) + np.asarray(logit.scores).sum((1, 3)) + np.asarray(
+        logit.extra["bias"]).sum(1)
+    assert rel(direct, logit.extra["logit"]) < TOL["fp32"]
+    # through the rollout
+    total = np.asarray(logit.rollout()).sum(-1) + np.asarray(logit.extra["bias"]).sum(1)
+    assert rel(total, logit.extra["logit"]) < TOL["fp32"]
+    want = np.take_along_axis(np.asarray(model(t)), np.asarray(logit.extra["targets"])[..., None], -1)[..., 0]
+    assert rel(logit.extra["logit"], want) < TOL["fp32"]
+    with pytest.raises(ValueError, match="rollout"):
+        latim_jax.attribute(model, t, method="l2").rollout()
+
+
+@pytest.mark.parametrize("name", ["m1", "m2"])
+def test_blocked_and_row_subsets_equal_full(name):
+    model = make(name)
+    t = tokens(length=13)
+    c = latim_jax.contributions(model, t, 1)
+    full_l2 = np.linalg.norm(np.asarray(c.T), axis=-1)
+    for blocks in (Blocks(rows=4, cols=4), Blocks(rows=8, cols=3), Blocks(rows=16, cols=16)):
+        got = latim_jax.attribute(model, t, method="l2", layers=[1], blocks=blocks).scores[:, 0]
+        assert rel(got, full_l2) < TOL["fp32"], blocks
+    rows = [12, 0, 5]
+    sub = latim_jax.attribute(model, t, method="l2", layers=[1], rows=rows).scores[:, 0]
+    assert rel(sub, full_l2[:, rows]) < TOL["fp32"]
+    last = latim_jax.attribute(model, t, method="alti", rows=[-1])
+    assert last.scores.shape == (2, 2, 1, 13)
+    assert rel(last.scores[:, :, 0], latim_jax.attribute(model, t, method="alti").scores[:, :, -1]) < TOL["alti"]
+
+
+def test_identity_activation_modes_agree_and_paper_error():
+    silu = make("m2")
+    ident = make("m2", activation="identity", conv_bias=False)
+    t = tokens(batch=1)
+    ex, pa = latim_jax.contributions(ident, t, 0), latim_jax.contributions(ident, t, 0, mode="paper")
+    assert rel(pa.T, ex.T) < TOL["fp32"]
+    assert latim_jax.conservation_error(ident, t, 0, mode="paper") < TOL["fp32"]
+    err_silu = latim_jax.attribute(silu, t, method="l2", mode="paper").extra["approximation_error"]
+    err_id = latim_jax.attribute(ident, t, method="l2", mode="paper").extra["approximation_error"]
+    assert (np.asarray(err_silu) > 1e-2).all() and (np.asarray(err_id) < 1e-5).all()
+    relu = make("m1", activation="relu")
+    assert latim_jax.conservation_error(relu, t, 1) < TOL["fp32"]
+
+
+def test_vmap_and_jit_equal_loop():
+    model = make("m2")
+    t = tokens(batch=3, length=9)
+    batched = latim_jax.attribute(model, t, method="alti").scores
+    loop = np.stack([latim_jax.attribute(model, t[i : i + 1], method="alti").scores[0] for i in range(3)])
+    assert rel(batched, loop) < TOL["alti"]
+    vm = jax.vmap(lambda x: latim_jax.attribute(model, x[None], method="alti").scores[0])(jnp.asarray(t))
+    assert rel(vm, loop) < TOL["alti"]
+    jitted = jax.jit(lambda x: latim_jax.attribute(model, x, method="alti").scores)(jnp.asarray(t))
+    assert rel(jitted, batched) < TOL["alti"]
+
+
+def test_grad_through_attribution_matches_finite_differences():
+    model = make("m1")
+    t = tokens(batch=1, length=6)
+    graphdef, state = nnx.split(model)
+    weights = jnp.asarray(np.random.default_rng(1).normal(size=(1, 2, 6, 6)), jnp.float32)
+
+    def f(scale):
+        st = jax.tree.map(lambda x: x, state)
+        st["norm_f"] = nnx.Param(state["norm_f"][...] * scale)  # noqa: F841 (unused in l2 scores)
+        emb = state["embedding"][...] * scale
+        st["embedding"] = nnx.Param(emb)
+        m = nnx.merge(graphdef, st)
+        return jnp.sum(latim_jax.attribute(m, t, method="l2").scores * weights)
+
+    g = jax.grad(f)(1.0)
+    eps = 1e-2
+    fd = (f(1.0 + eps) - f(1.0 - eps)) / (2 * eps)
+    assert abs(float(g) - float(fd)) <= TOL["grad_fd"] * max(abs(float(fd)), 1e-3)
+
+
+def test_grad_input_matches_direct_jacobian():
+    model = make("m2")
+    t = tokens(batch=1, length=6)
+    res = latim_jax.attribute(model, t, method="grad_input", layers=[1])
+    out = model.forward(t)
+    h = out.residuals[1]
+    targets = np.asarray(res.extra["targets"])[0]
+
+    def logit(x, i):
+        o = model.layers[1](x)
+        return model.head(o)[0, i, targets[i]]
+
+    for i in (0, 5):
+        g = jax.grad(logit)(h, i)
+        want = np.linalg.norm(np.asarray(g * h)[0], axis=-1)
+        assert rel(res.scores[0, 0, i], want) < 1e-4
+
+
+def test_mask_zeroes_padding_and_renormalises():
+    model = make("m1")
+    t = tokens(batch=2, length=8)
+    mask = np.ones((2, 8), bool)
+    mask[1, 5:] = False
+    r = latim_jax.attribute(model, t, method="alti", mask=mask)
+    s = np.asarray(r.scores)
+    assert (s[1, :, 5:, :] == 0).all() and (s[1, :, :, 5:] == 0).all()
+    single = latim_jax.attribute(model, t[1:2, :5], method="alti").scores
+    assert rel(s[1:2, :, :5, :5], single) < TOL["alti"]  # batch with padding == single prompt
+
+
+def test_save_and_load_round_trip(tmp_path):
+    model = make("m2")
+    r = latim_jax.attribute(model, tokens(), method="logit")
+    path = tmp_path / "scores.npz"
+    r.save(path)
+    back = latim_jax.Attribution.load(path)
+    assert back.method == "logit" and back.mode == "exact" and back.layers == r.layers
+    np.testing.assert_array_equal(np.asarray(back.scores), np.asarray(r.scores))
+    np.testing.assert_array_equal(np.asarray(back.tokens), np.asarray(r.tokens))
+    np.testing.assert_array_equal(np.asarray(back.rollout()), np.asarray(r.rollout()))
+    assert [p.name for p in tmp_path.iterdir()] == ["scores.npz"]  # no temporary left behind
+    (tmp_path / "bad.npz").write_bytes(b"not a zip")
+    with pytest.raises(ValueError, match="bad.npz"):
+        latim_jax.Attribution.load(tmp_path / "bad.npz")
+
+
+def test_bad_inputs_give_clear_errors():
+    model = make("m1")
+    t = tokens(batch=1, length=5)
+    with pytest.raises(ValueError, match="must lie in"):
+        latim_jax.attribute(model, np.array([[1, 99]]))
+    with pytest.raises(ValueError, match="at least one position"):
+        latim_jax.attribute(model, np.zeros((1, 0), np.int32))
+    with pytest.raises(ValueError, match="unknown method"):
+        latim_jax.attribute(model, t, method="attention")
+    with pytest.raises(ValueError, match="mode must be"):
+        latim_jax.attribute(model, t, mode="approximate")
+    with pytest.raises(ValueError, match="layer must be"):
+        latim_jax.attribute(model, t, layers=[2])
+    with pytest.raises(ValueError, match="layer must be"):
+        latim_jax.contributions(model, t, 5)
+    with pytest.raises(ValueError, match="mask must have shape"):
+        latim_jax.attribute(model, t, mask=np.ones((1, 4), bool))
+    with pytest.raises(ValueError, match="rows must be"):
+        latim_jax.attribute(model, t, rows=[5])
+
+
+def test_nan_in_scores_is_reported():
+    params = jax.tree.map(np.array, init_params(CONFIGS["m1"], seed=0))
+    params["layers"][1]["mixer"]["out_proj"][0, 0] = np.nan
+    model = latim_jax.MambaLM(CONFIGS["m1"], params)
+    with pytest.raises(FloatingPointError, match=r"layer\(s\) \[1\]"):
+        latim_jax.attribute(model, tokens(batch=1, length=4), method="l2")
