@@ -32,6 +32,6 @@ def grad_input_scores(model, h, layer: int, rows, targets, *, impl="auto"):
         (g,) = vjp(cot)
         gx = g * h
         sq = jnp.sum(gx * gx, -1)
-        return jnp.where(sq > 0, jnp.sqrt(jnp.where(sq > 0, sq, 1.0)), 0.0)  # (b, l)
+        return jnp.where(sq == 0, 0.0, jnp.sqrt(jnp.where(sq == 0, 1.0, sq)))  # (b, l)
 
     return jnp.moveaxis(jax.lax.map(one_row, rows), 0, 1)

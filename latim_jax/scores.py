@@ -48,8 +48,8 @@ class Blocks:
 def _safe_norm(x, axis):
     """||x||_2 with a finite gradient at 0."""
     sq = jnp.sum(x * x, axis=axis)
-    pos = sq > 0
-    return jnp.where(pos, jnp.sqrt(jnp.where(pos, sq, 1.0)), 0.0)
+    zero = sq == 0  # NaN is not zero: it propagates, so non-finite inputs are reported
+    return jnp.where(zero, 0.0, jnp.sqrt(jnp.where(zero, 1.0, sq)))
 
 
 def pair_score(f: LayerFactors, method: str, rows, j0, width, aux=None):
@@ -118,7 +118,8 @@ def normalise_alti(s, rows):
     """Divide each row by its sum; a row with no positive entry becomes one-hot on j = i."""
     total = jnp.sum(s, -1, keepdims=True)
     self_hot = (jnp.arange(s.shape[-1])[None, :] == rows[:, None]).astype(s.dtype)
-    return jnp.where(total > 0, s / jnp.where(total > 0, total, 1.0), self_hot)
+    zero = total == 0
+    return jnp.where(zero, self_hot, s / jnp.where(zero, 1.0, total))
 
 
 def token_sum(f: LayerFactors, rows, *, blocks: Blocks | None = None):
