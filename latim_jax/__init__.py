@@ -12,5 +12,13 @@ from latim_jax.loading import load  # noqa: E402
 from latim_jax.model import MambaLM  # noqa: E402
 from latim_jax.results import Attribution  # noqa: E402
 
-__all__ = ["Attribution", "MambaConfig", "MambaLM", "attribute", "conservation_error", "contributions", "load",
-           "__version__"]
+__all__ = [
+    "Attribution",
+    "MambaConfig",
+    "MambaLM",
+    "attribute",
+    "conservation_error",
+    "contributions",
+    "load",
+    "__version__",
+]

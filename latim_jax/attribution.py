@@ -57,7 +57,9 @@ def contributions(model, tokens, layer: int, mode: str = "exact", *, impl: str =
 
 
 def conservation_error(model, tokens, layer: int, mode: str = "exact", *, impl: str = "auto") -> float:
-    """max_i ||sum_j T_i(x_j) + beta_i - o_i||_2 / max_i ||o_i||_2 for one layer (blocked, O(l) memory per row).
+    """max_i ||sum_j T_i(x_j) + beta_i - o_i||_2 / max_i ||o_i||_2 for one layer.
+
+    Evaluated block by block (O(l) memory per row).
 
     In exact mode this is float rounding (about 1e-6 in fp32); in paper mode it is the approximation.
     """
@@ -123,12 +125,30 @@ def attribute(
         mask = mask.astype(bool)
     targets = _targets(target, B, L, model.config.vocab_size)
     row_idx = jnp.arange(L) if row_list is None else jnp.asarray(row_list, jnp.int32)
-    scores, extra = _attribute(model, tokens, row_idx, targets, method=method, mode=mode, layers=layer_list,
-                               impl=impl, blocks=blocks, whole=row_list is None and layer_list == tuple(range(n)))
+    scores, extra = _attribute(
+        model,
+        tokens,
+        row_idx,
+        targets,
+        method=method,
+        mode=mode,
+        layers=layer_list,
+        impl=impl,
+        blocks=blocks,
+        whole=row_list is None and layer_list == tuple(range(n)),
+    )
     if mask is not None:
         scores, extra = _apply_mask(scores, extra, mask, row_idx, method)
-    result = Attribution(scores=scores, tokens=tokens, extra=extra, method=method, mode=mode, layers=layer_list,
-                         rows=row_list, model=getattr(model, "source", None) or "")
+    result = Attribution(
+        scores=scores,
+        tokens=tokens,
+        extra=extra,
+        method=method,
+        mode=mode,
+        layers=layer_list,
+        rows=row_list,
+        model=getattr(model, "source", None) or "",
+    )
     result.check_finite()
     return result
 
@@ -146,7 +166,9 @@ def _targets(target, B, L, vocab):
     if t.ndim == 0:
         t = jnp.full((B, L), t)
     if t.shape != (B, L) or not jnp.issubdtype(t.dtype, jnp.integer):
-        raise ValueError(f"target must be an int or int ids of shape {(B, L)}, found {t.dtype} {tuple(t.shape)}")
+        raise ValueError(
+            f"target must be an int or int ids of shape {(B, L)}, found {t.dtype} {tuple(t.shape)}"
+        )
     if not isinstance(t, jax.core.Tracer) and (int(t.min()) < 0 or int(t.max()) >= vocab):
         raise ValueError(f"target ids must lie in [0, {vocab})")
     return t
@@ -161,7 +183,9 @@ def _attribute(model, tokens, rows, targets, method, mode, layers, impl, blocks,
     # logit direction v_i = g_f * E_{w_i} / r_i, r_i from the stream entering the final norm
     h_final = out.residuals[-1]
     r_inv = jax.lax.rsqrt(jnp.mean(h_final * h_final, -1, keepdims=True) + model.config.rms_eps)
-    direction = model.norm_f[...].astype(f32) * jnp.take(model.unembedding, targets, axis=0).astype(f32) * r_inv
+    direction = (
+        model.norm_f[...].astype(f32) * jnp.take(model.unembedding, targets, axis=0).astype(f32) * r_inv
+    )
     scores, approx, alti, bias_terms = [], [], [], []
     for layer in layers:
         h = out.residuals[layer]

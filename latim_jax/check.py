@@ -38,14 +38,29 @@ def transformers_config(config):
     import transformers
 
     act = {"silu": "silu", "relu": "relu", "identity": "linear"}[config.activation]
-    common = dict(vocab_size=config.vocab_size, hidden_size=config.d_model, state_size=config.d_state,
-                  num_hidden_layers=config.n_layers, layer_norm_epsilon=config.rms_eps, expand=config.expand,
-                  conv_kernel=config.d_conv, use_bias=config.proj_bias, use_conv_bias=config.conv_bias,
-                  hidden_act=act, tie_word_embeddings=config.tie_embeddings)
+    common = dict(
+        vocab_size=config.vocab_size,
+        hidden_size=config.d_model,
+        state_size=config.d_state,
+        num_hidden_layers=config.n_layers,
+        layer_norm_epsilon=config.rms_eps,
+        expand=config.expand,
+        conv_kernel=config.d_conv,
+        use_bias=config.proj_bias,
+        use_conv_bias=config.conv_bias,
+        hidden_act=act,
+        tie_word_embeddings=config.tie_embeddings,
+    )
     if config.version == 1:
         return transformers.MambaConfig(time_step_rank=config.dt_rank, **common)
-    return transformers.Mamba2Config(num_heads=config.n_heads, head_dim=config.head_dim, n_groups=config.n_groups,
-                                     chunk_size=config.chunk_size, time_step_limit=config.time_step_limit, **common)
+    return transformers.Mamba2Config(
+        num_heads=config.n_heads,
+        head_dim=config.head_dim,
+        n_groups=config.n_groups,
+        chunk_size=config.chunk_size,
+        time_step_limit=config.time_step_limit,
+        **common,
+    )
 
 
 def torch_state_dict(config, params):
@@ -62,8 +77,13 @@ def torch_state_dict(config, params):
         sd[p + "mixer.in_proj.weight"] = t(m["in_proj"]).T.contiguous()
         sd[p + "mixer.conv1d.weight"] = t(m["conv_w"]).T.contiguous()[:, None, :]
         sd[p + "mixer.out_proj.weight"] = t(m["out_proj"]).T.contiguous()
-        for ours, theirs in (("conv_b", "conv1d.bias"), ("in_proj_b", "in_proj.bias"), ("out_proj_b", "out_proj.bias"),
-                             ("A_log", "A_log"), ("D", "D")):
+        for ours, theirs in (
+            ("conv_b", "conv1d.bias"),
+            ("in_proj_b", "in_proj.bias"),
+            ("out_proj_b", "out_proj.bias"),
+            ("A_log", "A_log"),
+            ("D", "D"),
+        ):
             if ours in m:
                 sd[p + "mixer." + theirs] = t(m[ours])
         if config.version == 1:
@@ -95,7 +115,15 @@ def check_model(source, *, length: int = 16, batch: int = 1, seed: int = 0) -> d
     hidden = []
     for i in range(model.config.n_layers):
         r = out.hidden_states[i].float().numpy()
-        hidden.append(float(np.abs(np.asarray(ours.residuals[i + 1]) - r).max() / max(np.abs(r).max(), 1e-30)))
-    return {"reference": how, "max_logit_error": float(err.max()), "mean_logit_error": float(err.mean()),
-            "max_logit_error_relative": float(err.max() / max(scale, 1e-30)), "hidden_error_relative": hidden,
-            "length": length, "batch": batch}
+        hidden.append(
+            float(np.abs(np.asarray(ours.residuals[i + 1]) - r).max() / max(np.abs(r).max(), 1e-30))
+        )
+    return {
+        "reference": how,
+        "max_logit_error": float(err.max()),
+        "mean_logit_error": float(err.mean()),
+        "max_logit_error_relative": float(err.max() / max(scale, 1e-30)),
+        "hidden_error_relative": hidden,
+        "length": length,
+        "batch": batch,
+    }

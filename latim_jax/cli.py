@@ -21,7 +21,9 @@ def tokenize(model, text: str) -> tuple[list[int], list[str]]:
     """Token ids and labels for ``text`` with the checkpoint's own tokenizer.json."""
     path = Path(model.tokenizer_dir or "") / "tokenizer.json"
     if not model.tokenizer_dir or not path.is_file():
-        raise SystemExit(f"error: the checkpoint {model.source!r} has no tokenizer.json; pass --tokens instead")
+        raise SystemExit(
+            f"error: the checkpoint {model.source!r} has no tokenizer.json; pass --tokens instead"
+        )
     from tokenizers import Tokenizer
 
     enc = Tokenizer.from_file(str(path)).encode(text)
@@ -69,10 +71,16 @@ def cmd_check(args):
     try:
         report = check_model(args.model, length=args.length, batch=args.batch, seed=args.seed)
     except ImportError as err:
-        raise SystemExit(f"error: check needs torch and transformers (pip install 'latim-jax[torch]'): {err}")
-    print(f"reference: transformers ({report['reference']}), {report['batch']} x {report['length']} random tokens")
-    print(f"logits: max abs error {report['max_logit_error']:.3e} (relative {report['max_logit_error_relative']:.3e}),"
-          f" mean abs error {report['mean_logit_error']:.3e}")
+        raise SystemExit(f"error: check needs torch and transformers (pip install 'latim-jax[torch]'): {err}") from err
+    print(
+        f"reference: transformers ({report['reference']}), "
+        f"{report['batch']} x {report['length']} random tokens"
+    )
+    print(
+        f"logits: max abs error {report['max_logit_error']:.3e} "
+        f"(relative {report['max_logit_error_relative']:.3e}),"
+        f" mean abs error {report['mean_logit_error']:.3e}"
+    )
     for i, e in enumerate(report["hidden_error_relative"]):
         print(f"layer {i:3d}: hidden-state relative error {e:.3e}")
     if args.json:
@@ -89,15 +97,20 @@ def cmd_attribute(args):
     if args.text is not None:
         ids, labels = tokenize(model, args.text)
     else:
-        ids = _parse_ints(args.tokens, "--tokens") if args.tokens is not None else default_prompt(model, args.seed)
+        ids = (
+            _parse_ints(args.tokens, "--tokens")
+            if args.tokens is not None
+            else default_prompt(model, args.seed)
+        )
         labels = token_labels(model, ids)
     if not ids:
         raise SystemExit("error: the prompt is empty")
     layers = _parse_ints(args.layers, "--layers") if args.layers else None
     rows = _parse_ints(args.rows, "--rows") if args.rows else None
     try:
-        result = latim_jax.attribute(model, np.asarray([ids]), method=args.method, mode=args.mode, layers=layers,
-                                     rows=rows)
+        result = latim_jax.attribute(
+            model, np.asarray([ids]), method=args.method, mode=args.mode, layers=layers, rows=rows
+        )
     except ValueError as err:
         raise SystemExit(f"error: {err}") from err
     result.save(args.out)
@@ -126,7 +139,9 @@ def cmd_generate(args):
         ids, _ = tokenize(model, args.text)
     else:
         ids = _parse_ints(args.tokens, "--tokens")
-    out = generate(model, np.asarray([ids]), args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+    out = generate(
+        model, np.asarray([ids]), args.max_new_tokens, temperature=args.temperature, seed=args.seed
+    )
     print(" ".join(str(int(t)) for t in np.asarray(out[0])))
 
 

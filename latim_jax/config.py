@@ -47,13 +47,24 @@ class MambaConfig:
     def __post_init__(self):
         if self.version not in (1, 2):
             raise ValueError(f"MambaConfig.version must be 1 or 2, found {self.version!r}")
-        for name in ("d_model", "n_layers", "vocab_size", "d_state", "d_conv", "expand", "head_dim", "n_groups",
-                     "chunk_size"):
+        for name in (
+            "d_model",
+            "n_layers",
+            "vocab_size",
+            "d_state",
+            "d_conv",
+            "expand",
+            "head_dim",
+            "n_groups",
+            "chunk_size",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"MambaConfig.{name} must be a positive int, found {value!r}")
         if self.activation not in ACTIVATIONS:
-            raise ValueError(f"MambaConfig.activation must be one of {ACTIVATIONS}, found {self.activation!r}")
+            raise ValueError(
+                f"MambaConfig.activation must be one of {ACTIVATIONS}, found {self.activation!r}"
+            )
         if not isinstance(self.dt_rank, int) or self.dt_rank < 0:
             raise ValueError(f"MambaConfig.dt_rank must be a positive int (0 = auto), found {self.dt_rank!r}")
         if self.dt_rank == 0:
@@ -66,7 +77,9 @@ class MambaConfig:
                     f"head_dim {self.head_dim}"
                 )
             if self.n_heads % self.n_groups:
-                raise ValueError(f"Mamba-2 n_heads {self.n_heads} is not a multiple of n_groups {self.n_groups}")
+                raise ValueError(
+                    f"Mamba-2 n_heads {self.n_heads} is not a multiple of n_groups {self.n_groups}"
+                )
 
     @property
     def d_inner(self) -> int:
@@ -101,7 +114,9 @@ class MambaConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"unknown latim-jax config field(s) {unknown}; expected a subset of {sorted(known)}")
+            raise ValueError(
+                f"unknown latim-jax config field(s) {unknown}; expected a subset of {sorted(known)}"
+            )
         data = dict(data)
         if "time_step_limit" in data:
             data["time_step_limit"] = tuple(_float_from_json(x) for x in data["time_step_limit"])

@@ -18,6 +18,7 @@ G_i = w_norm * SiLU(z_i) / rms_group(q_i). Everything data-dependent is read fro
 from __future__ import annotations
 
 import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -99,14 +100,26 @@ def layer_factors(model, h, layer: int, mode: str = "exact", *, impl: str = "aut
             bias = bias + linear(y_bias * inter.G, W_out)
     else:
         f = activation(cfg.activation)
-        a = jnp.stack([f(w_lag[k] * u_full + (b_conv if (k == 0 and b_conv is not None) else 0.0))
-                       for k in range(K)])
+        a = jnp.stack(
+            [f(w_lag[k] * u_full + (b_conv if (k == 0 and b_conv is not None) else 0.0)) for k in range(K)]
+        )
     A = mixer.A
     return LayerFactors(
-        version=cfg.version, mode=mode, heads=cfg.n_heads if cfg.version == 2 else e,
-        a=a, G=inter.G, W_out=W_out, A=A, D=mixer.D[...].astype(f32), delta=inter.delta, B=inter.B,
-        C=inter.C, decay=compensated_cumsum(inter.delta), bias=bias,
-        output=mixer.output(inter), h=h.astype(f32),
+        version=cfg.version,
+        mode=mode,
+        heads=cfg.n_heads if cfg.version == 2 else e,
+        a=a,
+        G=inter.G,
+        W_out=W_out,
+        A=A,
+        D=mixer.D[...].astype(f32),
+        delta=inter.delta,
+        B=inter.B,
+        C=inter.C,
+        decay=compensated_cumsum(inter.delta),
+        bias=bias,
+        output=mixer.output(inter),
+        h=h.astype(f32),
     )
 
 

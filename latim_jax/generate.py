@@ -41,8 +41,9 @@ def _decode(model, last_logits, cache, key, *, steps, temperature, top_k):
     return toks.T
 
 
-def generate(model, tokens, max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
-             seed: int = 0):
+def generate(
+    model, tokens, max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None, seed: int = 0
+):
     """Continue ``tokens`` (b, l) by ``max_new_tokens`` tokens: greedy when temperature == 0, else
     sampling (optionally top-k). Returns (b, l + max_new_tokens) int32 ids."""
     tokens = jnp.asarray(tokens)
@@ -54,6 +55,13 @@ def generate(model, tokens, max_new_tokens: int, *, temperature: float = 0.0, to
     if max_new_tokens == 0:
         return tokens.astype(jnp.int32)
     logits, cache = prefill(model, tokens)
-    new = _decode(model, logits[:, -1], cache, jax.random.PRNGKey(seed), steps=max_new_tokens,
-                  temperature=float(temperature), top_k=top_k)
+    new = _decode(
+        model,
+        logits[:, -1],
+        cache,
+        jax.random.PRNGKey(seed),
+        steps=max_new_tokens,
+        temperature=float(temperature),
+        top_k=top_k,
+    )
     return jnp.concatenate([tokens.astype(jnp.int32), new.astype(jnp.int32)], axis=1)

@@ -88,4 +88,6 @@ def full_hidden_attention(version, A, D, delta, B, C, *, with_D=True):
     """The whole (b, l, l, c) hidden attention (small inputs only)."""
     length = delta.shape[1]
     idx = jnp.arange(length)
-    return hidden_attention_block(version, A, D, delta, B, C, compensated_cumsum(delta), idx, idx, with_D=with_D)
+    return hidden_attention_block(
+        version, A, D, delta, B, C, compensated_cumsum(delta), idx, idx, with_D=with_D
+    )

@@ -53,7 +53,9 @@ def init_params(config: MambaConfig, seed: int = 0) -> dict:
                 m[name] = _dt_bias(key, shape[0])
             elif name == "A_log":
                 if c.version == 1:
-                    m[name] = jnp.log(jnp.broadcast_to(jnp.arange(1, c.d_state + 1, dtype=jnp.float32), shape))
+                    m[name] = jnp.log(
+                        jnp.broadcast_to(jnp.arange(1, c.d_state + 1, dtype=jnp.float32), shape)
+                    )
                 else:
                     m[name] = jnp.log(jax.random.uniform(key, shape, minval=1.0, maxval=16.0))
             elif name in ("D", "norm_w"):

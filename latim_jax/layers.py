@@ -31,7 +31,7 @@ def activation(name):
 
 
 def activation_gate(name, c):
-    """s = act(c) / c as used by the exact decomposition: sigma(c) for SiLU, [c > 0] for ReLU, 1 for identity."""
+    """s = act(c) / c, the exact decomposition's gate: sigma(c) (SiLU), [c > 0] (ReLU), 1 (identity)."""
     c = c.astype(f32)
     if name == "silu":
         return jax.nn.sigmoid(c)

@@ -13,8 +13,13 @@ from latim_jax.model import MambaLM
 ASSETS = Path(__file__).parent / "assets"
 SHIPPED = ("copy-mamba1", "copy-mamba2")
 DEFAULT_MODEL = "copy-mamba2"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+)
 
 
 def shipped_path(name: str) -> Path:

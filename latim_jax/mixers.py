@@ -20,8 +20,20 @@ from latim_jax.kernels.selective_scan import selective_scan_step_reference
 from latim_jax.kernels.ssd import ssd_step_reference
 from latim_jax.layers import activation, causal_conv, causal_conv_step, f32, group_rms, linear
 
-_PARAM_NAMES = ("in_proj", "in_proj_b", "conv_w", "conv_b", "x_proj", "dt_proj", "dt_bias", "A_log", "D",
-                "norm_w", "out_proj", "out_proj_b")
+_PARAM_NAMES = (
+    "in_proj",
+    "in_proj_b",
+    "conv_w",
+    "conv_b",
+    "x_proj",
+    "dt_proj",
+    "dt_bias",
+    "A_log",
+    "D",
+    "norm_w",
+    "out_proj",
+    "out_proj_b",
+)
 
 
 @jax.tree_util.register_dataclass
@@ -107,13 +119,18 @@ class Mamba1Mixer(_Mixer):
     def init_cache(self, batch: int):
         """Zero recurrent cache: (conv (b, k-1, e), ssm (b, e, n))."""
         c = self.config
-        return (jnp.zeros((batch, c.d_conv - 1, c.conv_dim), f32), jnp.zeros((batch, c.d_inner, c.d_state), f32))
+        return (
+            jnp.zeros((batch, c.d_conv - 1, c.conv_dim), f32),
+            jnp.zeros((batch, c.d_inner, c.d_state), f32),
+        )
 
     def step(self, x_t, cache):
         """One token x_t (b, d) -> (o_t (b, d), cache)."""
         conv_cache, state = cache
         u, z = self.split_in_proj(x_t)
-        c_t, conv_cache = causal_conv_step(conv_cache, u.astype(self.in_proj[...].dtype), self.conv_w[...], self._get("conv_b"))
+        c_t, conv_cache = causal_conv_step(
+            conv_cache, u.astype(self.in_proj[...].dtype), self.conv_w[...], self._get("conv_b")
+        )
         v = activation(self.config.activation)(c_t)
         delta, B, C = self.ssm_params(v)
         y, state = selective_scan_step_reference(state, v, delta, self.A, B, C, self.D[...])
@@ -167,15 +184,19 @@ class Mamba2Mixer(_Mixer):
     def init_cache(self, batch: int):
         """Zero recurrent cache: (conv (b, k-1, e+2gn), ssm (b, h, p, n))."""
         c = self.config
-        return (jnp.zeros((batch, c.d_conv - 1, c.conv_dim), f32),
-                jnp.zeros((batch, c.n_heads, c.head_dim, c.d_state), f32))
+        return (
+            jnp.zeros((batch, c.d_conv - 1, c.conv_dim), f32),
+            jnp.zeros((batch, c.n_heads, c.head_dim, c.d_state), f32),
+        )
 
     def step(self, x_t, cache):
         """One token x_t (b, d) -> (o_t (b, d), cache)."""
         c = self.config
         conv_cache, state = cache
         z, u, dt = self.split_in_proj(x_t)
-        c_t, conv_cache = causal_conv_step(conv_cache, u.astype(self.in_proj[...].dtype), self.conv_w[...], self._get("conv_b"))
+        c_t, conv_cache = causal_conv_step(
+            conv_cache, u.astype(self.in_proj[...].dtype), self.conv_w[...], self._get("conv_b")
+        )
         xs, B, C = self.split_xbc(activation(c.activation)(c_t))
         y, state = ssd_step_reference(state, xs, self.delta(dt), self.A, B, C, self.D[...])
         y = y.reshape(y.shape[0], c.d_inner)

@@ -1,7 +1,7 @@
 """The Mamba language model (both versions) as a Flax NNX module.
 
-    h^0 = E[ids];  h^{l+1} = h^l + Mixer_l(RMSNorm_l(h^l))   (residual stream in fp32)
-    logits = RMSNorm_f(h^L) @ E_out^T                          (E_out = E when tied)
+h^0 = E[ids];  h^{l+1} = h^l + Mixer_l(RMSNorm_l(h^l))   (residual stream in fp32)
+logits = RMSNorm_f(h^L) @ E_out^T                          (E_out = E when tied)
 """
 
 from __future__ import annotations

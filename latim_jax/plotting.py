@@ -34,7 +34,7 @@ def heatmap_grid(scores, labels, path, *, title="", layer_names=None, max_cols=4
         ax.set_xticks(range(L))
         ax.set_xticklabels(labels, rotation=90, fontsize=fontsize)
         ax.set_yticks(range(scores.shape[1]))
-        ax.set_yticklabels(labels[-scores.shape[1]:] if scores.shape[1] != L else labels, fontsize=fontsize)
+        ax.set_yticklabels(labels[-scores.shape[1] :] if scores.shape[1] != L else labels, fontsize=fontsize)
         ax.set_xlabel("source token j", fontsize=8)
         ax.set_ylabel("target position i", fontsize=8)
     if title:

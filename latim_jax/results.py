@@ -56,7 +56,9 @@ class Attribution:
         if self.method not in ROLLOUT_METHODS:
             raise ValueError(f"rollout is defined for {ROLLOUT_METHODS}, not {self.method!r}")
         if self.rows is not None or self.layers != tuple(range(len(self.layers))):
-            raise ValueError("rollout needs every layer and every row (call attribute with layers=None, rows=None)")
+            raise ValueError(
+                "rollout needs every layer and every row (call attribute with layers=None, rows=None)"
+            )
         L = self.scores.shape[-1]
         eye = jnp.eye(L, dtype=jnp.float32)
         if self.method == "logit":
@@ -85,9 +87,14 @@ class Attribution:
         from latim_jax import __version__
 
         meta = {
-            "format": FORMAT, "method": self.method, "mode": self.mode, "layers": list(self.layers),
-            "rows": None if self.rows is None else list(self.rows), "model": self.model,
-            "library_version": __version__, "extra_keys": sorted(self.extra),
+            "format": FORMAT,
+            "method": self.method,
+            "mode": self.mode,
+            "layers": list(self.layers),
+            "rows": None if self.rows is None else list(self.rows),
+            "model": self.model,
+            "library_version": __version__,
+            "extra_keys": sorted(self.extra),
         }
         arrays = {"scores": np.asarray(self.scores), "tokens": np.asarray(self.tokens)}
         arrays.update({f"extra__{k}": np.asarray(v) for k, v in self.extra.items()})
@@ -104,9 +111,16 @@ class Attribution:
                 if meta.get("format") != FORMAT:
                     raise KeyError(f"format {meta.get('format')!r}")
                 extra = {k: jnp.asarray(z[f"extra__{k}"]) for k in meta["extra_keys"]}
-                return cls(scores=jnp.asarray(z["scores"]), tokens=jnp.asarray(z["tokens"]), extra=extra,
-                           method=meta["method"], mode=meta["mode"], layers=tuple(meta["layers"]),
-                           rows=None if meta["rows"] is None else tuple(meta["rows"]), model=meta["model"])
+                return cls(
+                    scores=jnp.asarray(z["scores"]),
+                    tokens=jnp.asarray(z["tokens"]),
+                    extra=extra,
+                    method=meta["method"],
+                    mode=meta["mode"],
+                    layers=tuple(meta["layers"]),
+                    rows=None if meta["rows"] is None else tuple(meta["rows"]),
+                    model=meta["model"],
+                )
         except (KeyError, OSError, EOFError, ValueError, json.JSONDecodeError) as err:
             raise ValueError(f"{path}: cannot read a latim-jax attribution file ({err})") from err
 

@@ -55,8 +55,9 @@ def _safe_norm(x, axis):
 def pair_score(f: LayerFactors, method: str, rows, j0, width, aux=None):
     """Scores of pairs (i in rows, j in [j0, j0 + width)): (b, r, width), unnormalised."""
     if method == "hidden_attention":
-        M = hidden_attention_block(f.version, f.A, f.D, f.delta, f.B, f.C, f.decay, rows,
-                                   j0 + jnp.arange(width), with_D=False)
+        M = hidden_attention_block(
+            f.version, f.A, f.D, f.delta, f.B, f.C, f.decay, rows, j0 + jnp.arange(width), with_D=False
+        )
         return jnp.mean(M, axis=-1)
     V = pair_values(f, rows, j0, width)  # (b, r, width, e)
     if method == "logit":
@@ -72,7 +73,9 @@ def pair_score(f: LayerFactors, method: str, rows, j0, width, aux=None):
         Tp = T + diag[None, :, :, None] * f.h[:, rows][:, :, None]
         full = jnp.sum(jnp.abs(hout), -1)[:, :, None]
         return jnp.maximum(0.0, full - jnp.sum(jnp.abs(hout[:, :, None] - Tp), -1))
-    raise ValueError(f"unknown LaTIM score {method!r}; expected one of {LATIM_METHODS + ('hidden_attention',)}")
+    raise ValueError(
+        f"unknown LaTIM score {method!r}; expected one of {LATIM_METHODS + ('hidden_attention',)}"
+    )
 
 
 def blocked(fn, rows, length, blocks: Blocks, out_tail=()):
@@ -132,8 +135,11 @@ def token_sum(f: LayerFactors, rows, *, blocks: Blocks | None = None):
 
     def row_block(rb):
         def add(acc, j0):
-            part = jax.lax.cond(j0 <= jnp.max(rb), lambda: pair_values(f, rb, j0, blocks.cols).sum(2),
-                                lambda: jnp.zeros_like(acc))
+            part = jax.lax.cond(
+                j0 <= jnp.max(rb),
+                lambda: pair_values(f, rb, j0, blocks.cols).sum(2),
+                lambda: jnp.zeros_like(acc),
+            )
             return acc + part, None
 
         acc0 = jnp.zeros((f.G.shape[0], blocks.rows, f.G.shape[-1]), f32)

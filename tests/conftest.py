@@ -6,8 +6,10 @@ import os
 
 # Tests run tiny models many times with many shapes: XLA's compile time, not run time, dominates, so
 # the tests (only) skip LLVM's expensive optimisation passes. Numerics are checked at fp32 tolerances.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
-                           " --xla_llvm_disable_expensive_passes=true").strip()
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+    " --xla_llvm_disable_expensive_passes=true"
+).strip()
 
 import numpy as np
 import pytest
@@ -15,27 +17,61 @@ import pytest
 torch_needed = pytest.mark.torch
 
 
-def build_hf(version: int, *, seed: int = 0, vocab: int = 48, d_model: int = 16, n_layers: int = 2,
-             d_state: int = 4, d_conv: int = 4, head_dim: int = 8, n_groups: int = 1, chunk_size: int = 8,
-             tied: bool = True, act: str = "silu", use_bias: bool = False, conv_bias: bool = True,
-             dtype: str = "float32"):
+def build_hf(
+    version: int,
+    *,
+    seed: int = 0,
+    vocab: int = 48,
+    d_model: int = 16,
+    n_layers: int = 2,
+    d_state: int = 4,
+    d_conv: int = 4,
+    head_dim: int = 8,
+    n_groups: int = 1,
+    chunk_size: int = 8,
+    tied: bool = True,
+    act: str = "silu",
+    use_bias: bool = False,
+    conv_bias: bool = True,
+    dtype: str = "float32",
+):
     """A tiny random transformers Mamba(2)ForCausalLM with non-trivial norms, D, A_log and biases."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=vocab, hidden_size=d_model, state_size=d_state, num_hidden_layers=n_layers,
-                  conv_kernel=d_conv, expand=2, hidden_act=act, use_bias=use_bias, use_conv_bias=conv_bias,
-                  tie_word_embeddings=tied)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=d_model,
+        state_size=d_state,
+        num_hidden_layers=n_layers,
+        conv_kernel=d_conv,
+        expand=2,
+        hidden_act=act,
+        use_bias=use_bias,
+        use_conv_bias=conv_bias,
+        tie_word_embeddings=tied,
+    )
     if version == 1:
         model = transformers.MambaForCausalLM(transformers.MambaConfig(**common))
     else:
-        cfg = transformers.Mamba2Config(num_heads=2 * d_model // head_dim, head_dim=head_dim, n_groups=n_groups,
-                                        chunk_size=chunk_size, **common)
+        cfg = transformers.Mamba2Config(
+            num_heads=2 * d_model // head_dim,
+            head_dim=head_dim,
+            n_groups=n_groups,
+            chunk_size=chunk_size,
+            **common,
+        )
         model = transformers.Mamba2ForCausalLM(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name or name.endswith(".D") or "A_log" in name or "dt_bias" in name or "bias" in name:
+            if (
+                "norm" in name
+                or name.endswith(".D")
+                or "A_log" in name
+                or "dt_bias" in name
+                or "bias" in name
+            ):
                 p.add_(0.3 * torch.randn_like(p))
     model = model.eval()
     if dtype == "bfloat16":

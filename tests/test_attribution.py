@@ -17,8 +17,17 @@ TOL = {"fp32": 1e-5, "alti": 5e-5, "grad_fd": 2e-2}
 
 CONFIGS = {
     "m1": MambaConfig(version=1, d_model=16, n_layers=2, vocab_size=32, d_state=4, d_conv=4),
-    "m2": MambaConfig(version=2, d_model=16, n_layers=2, vocab_size=32, d_state=4, d_conv=3, head_dim=8,
-                      n_groups=2, chunk_size=4),
+    "m2": MambaConfig(
+        version=2,
+        d_model=16,
+        n_layers=2,
+        vocab_size=32,
+        d_state=4,
+        d_conv=3,
+        head_dim=8,
+        n_groups=2,
+        chunk_size=4,
+    ),
 }
 
 
@@ -47,12 +56,16 @@ def test_rollout_rows_and_logit_identity(name):
     row_sums = np.asarray(alti.scores).sum(-1)
     assert np.allclose(row_sums[row_sums > 0], 1, atol=1e-5)
     assert np.allclose(R.sum(-1), 1, atol=1e-5) and (R >= 0).all()
-    assert np.allclose(np.asarray(latim_jax.attribute(model, t, method="hidden_attention").rollout()).sum(-1), 1,
-                       atol=1e-5)
+    assert np.allclose(
+        np.asarray(latim_jax.attribute(model, t, method="hidden_attention").rollout()).sum(-1), 1, atol=1e-5
+    )
     logit = latim_jax.attribute(model, t, method="logit")
     # per layer: direct + sum_l sum_j c^l_ij + sum_l bias^l = the model's logit
-    direct = np.asarray(logit.extra["direct"]) + np.asarray(logit.scores).sum((1, 3)) + np.asarray(
-        logit.extra["bias"]).sum(1)
+    direct = (
+        np.asarray(logit.extra["direct"])
+        + np.asarray(logit.scores).sum((1, 3))
+        + np.asarray(logit.extra["bias"]).sum(1)
+    )
     assert rel(direct, logit.extra["logit"]) < TOL["fp32"]
     # through the rollout
     total = np.asarray(logit.rollout()).sum(-1) + np.asarray(logit.extra["bias"]).sum(1)
@@ -77,7 +90,9 @@ def test_blocked_and_row_subsets_equal_full(name):
     assert rel(sub, full_l2[:, rows]) < TOL["fp32"]
     last = latim_jax.attribute(model, t, method="alti", rows=[-1])
     assert last.scores.shape == (2, 2, 1, 13)
-    assert rel(last.scores[:, :, 0], latim_jax.attribute(model, t, method="alti").scores[:, :, -1]) < TOL["alti"]
+    assert (
+        rel(last.scores[:, :, 0], latim_jax.attribute(model, t, method="alti").scores[:, :, -1]) < TOL["alti"]
+    )
 
 
 def test_identity_activation_modes_agree_and_paper_error():

@@ -37,7 +37,9 @@ def test_contributions_match_torch_reference(case):
     name, ref, model, tokens, seen, _, _ = case
     for layer, rec in enumerate(seen):
         for mode in ("exact", "paper"):
-            T, bias, out = torch_latim.decompose_layer(ref.backbone.layers[layer].mixer, rec["xhat"][0], mode=mode)
+            T, bias, out = torch_latim.decompose_layer(
+                ref.backbone.layers[layer].mixer, rec["xhat"][0], mode=mode
+            )
             got = latim_jax.contributions(model, tokens, layer, mode=mode)
             assert rel_err(got.T[0], T.numpy()) < TOL["T"], (name, layer, mode)
             assert rel_err(got.bias[0], bias.numpy()) < TOL["T"], (name, layer, mode)

@@ -88,12 +88,28 @@ def test_mamba_ssm_format_gives_same_logits(hf_dir, tmp_path):
         sd["lm_head.weight"] = sd["backbone.embedding.weight"]
     torch.save(sd, tmp_path / "pytorch_model.bin")
     cfg = ref.config
-    (tmp_path / "config.json").write_text(json.dumps({
-        "d_model": cfg.hidden_size, "n_layer": cfg.num_hidden_layers, "vocab_size": cfg.vocab_size - 5,
-        "pad_vocab_size_multiple": 16, "rms_norm": True, "residual_in_fp32": True, "fused_add_norm": True,
-        "tie_embeddings": True, "ssm_cfg": {"layer": "Mamba2", "d_state": cfg.state_size, "d_conv": cfg.conv_kernel,
-                                            "headdim": cfg.head_dim, "ngroups": cfg.n_groups,
-                                            "chunk_size": cfg.chunk_size}}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "d_model": cfg.hidden_size,
+                "n_layer": cfg.num_hidden_layers,
+                "vocab_size": cfg.vocab_size - 5,
+                "pad_vocab_size_multiple": 16,
+                "rms_norm": True,
+                "residual_in_fp32": True,
+                "fused_add_norm": True,
+                "tie_embeddings": True,
+                "ssm_cfg": {
+                    "layer": "Mamba2",
+                    "d_state": cfg.state_size,
+                    "d_conv": cfg.conv_kernel,
+                    "headdim": cfg.head_dim,
+                    "ngroups": cfg.n_groups,
+                    "chunk_size": cfg.chunk_size,
+                },
+            }
+        )
+    )
     other = latim_jax.load(tmp_path)
     tokens = np.random.default_rng(3).integers(0, 40, (1, 9))
     np.testing.assert_array_equal(np.asarray(other(tokens)), np.asarray(model(tokens)))

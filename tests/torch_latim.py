@@ -19,9 +19,14 @@ def capture(model, ids):
     for block in model.backbone.layers:
         rec = {}
         seen.append(rec)
-        hooks.append(block.register_forward_pre_hook(lambda m, a, rec=rec: rec.__setitem__("h", a[0].detach())))
-        hooks.append(block.mixer.register_forward_hook(lambda m, a, o, rec=rec: rec.update(xhat=a[0].detach(),
-                                                                                           o=o.detach())))
+        hooks.append(
+            block.register_forward_pre_hook(lambda m, a, rec=rec: rec.__setitem__("h", a[0].detach()))
+        )
+        hooks.append(
+            block.mixer.register_forward_hook(
+                lambda m, a, o, rec=rec: rec.update(xhat=a[0].detach(), o=o.detach())
+            )
+        )
     with torch.no_grad():
         out = model(ids, output_hidden_states=True)
     for h in hooks:
@@ -108,7 +113,9 @@ def decompose_layer(mixer, xhat, act="silu", mode="exact"):
         u_bias = None if b_in is None else b_in[e : 2 * e]
         y = torch.einsum("ite,te->ie", M, v)
         q = y * F.silu(z)
-        rms = torch.sqrt(q.reshape(L, Gn, e // Gn).pow(2).mean(-1, keepdim=True) + mixer.norm.variance_epsilon)
+        rms = torch.sqrt(
+            q.reshape(L, Gn, e // Gn).pow(2).mean(-1, keepdim=True) + mixer.norm.variance_epsilon
+        )
         G = d64(mixer.norm.weight) * F.silu(z) / rms.expand(L, Gn, e // Gn).reshape(L, e)
         s = _gate(act, c)
         value_w = conv_w[:e]
@@ -173,8 +180,13 @@ def hidden_attention(mixer, xhat, act="silu"):
     for i in range(L):
         for t in range(i + 1):
             seg = delta[t + 1 : i + 1].sum(0)
-            out[i, t] = sum((Cm[i, h // (H // Gn)] @ Bm[t, h // (H // Gn)]) * delta[t, h] * torch.exp(A[h] * seg[h])
-                            for h in range(H)) / H
+            out[i, t] = (
+                sum(
+                    (Cm[i, h // (H // Gn)] @ Bm[t, h // (H // Gn)]) * delta[t, h] * torch.exp(A[h] * seg[h])
+                    for h in range(H)
+                )
+                / H
+            )
     return out
 
 
