@@ -71,7 +71,8 @@ def cmd_check(args):
     try:
         report = check_model(args.model, length=args.length, batch=args.batch, seed=args.seed)
     except ImportError as err:
-        raise SystemExit(f"error: check needs torch and transformers (pip install 'latim-jax[torch]'): {err}") from err
+        hint = "pip install 'latim-jax[torch]'"
+        raise SystemExit(f"error: check needs torch and transformers ({hint}): {err}") from err
     print(
         f"reference: transformers ({report['reference']}), "
         f"{report['batch']} x {report['length']} random tokens"
