@@ -1,0 +1,263 @@
+"""GPU check of the Pallas scan kernels: correctness against the references, then kernel vs XLA timings.
+
+    python benchmarks/gpu_check.py                 # on a GPU: verify, then time 130m-shaped layers
+    python benchmarks/gpu_check.py --cpu-smoke     # anywhere: tiny shapes, interpret mode, no timings
+    python benchmarks/gpu_check.py --sweep         # on a GPU: also time a few BlockSizes candidates
+
+1. Verify: every kernel on random inputs (odd lengths, groups 1 and 2, bf16 inputs, initial state)
+   against its pure-jnp reference; the max |kernel - reference| / max |reference| per output.
+2. Time: one 130m-shaped layer, forward only, median of several runs after a warm-up, for the kernel
+   (impl="pallas") and the XLA reference (impl="xla"): Mamba-1 e=1536, n=16; Mamba-2 h=24, p=64,
+   n=128, g=1; L = 1024 and 4096, batch 1.
+
+Hooks: each row of either table comes from an entry of ``CHECKS`` / ``TIMINGS`` (``register_check``,
+``register_timing``); a later kernel (for example the fused-score kernel) registers its own entries
+with a kernel and a reference callable and shows up in both tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from latim_jax.kernels.block_sizes import BlockSizes
+from latim_jax.kernels.selective_scan import selective_scan_pallas, selective_scan_reference
+from latim_jax.kernels.ssd import ssd_pallas, ssd_reference
+
+# --------------------------------------------------------------------------------------------------
+# Registry: what the two tables run
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """A correctness row: ``kernel(*inputs)`` vs ``reference(*inputs)`` (pytrees of arrays)."""
+
+    name: str
+    make_inputs: Callable[[bool], tuple]  # smoke -> positional inputs
+    kernel: Callable[..., object]  # (*inputs, block_sizes=..., interpret=...) -> pytree
+    reference: Callable[..., object]
+    tol: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """A timing row: ``kernel`` and ``reference`` on ``make_inputs(length)``."""
+
+    name: str
+    lengths: tuple[int, ...]
+    make_inputs: Callable[[int], tuple]
+    kernel: Callable[..., object]
+    reference: Callable[..., object]
+
+
+CHECKS: list[Check] = []
+TIMINGS: list[Timing] = []
+
+
+def register_check(check: Check) -> Check:
+    CHECKS.append(check)
+    return check
+
+
+def register_timing(timing: Timing) -> Timing:
+    TIMINGS.append(timing)
+    return timing
+
+
+# --------------------------------------------------------------------------------------------------
+# Inputs
+# --------------------------------------------------------------------------------------------------
+
+
+def _rng_arrays(seed, *shapes):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(s).astype(np.float32) for s in shapes]
+
+
+def mamba1_inputs(b, l, e, n, *, dtype=jnp.float32, with_init=False, seed=0):
+    """(u, delta, A, B, C, D[, initial_state]) with a realistic delta (softplus) and A < 0."""
+    u, dr, ar, B, C, D, h0 = _rng_arrays(
+        seed, (b, l, e), (b, l, e), (e, n), (b, l, n), (b, l, n), (e,), (b, e, n)
+    )
+    delta, A = np.log1p(np.exp(dr - 1.0)), -np.exp(0.5 * ar)
+    cast = lambda t: jnp.asarray(t, dtype)
+    out = (cast(u), cast(delta), jnp.asarray(A), cast(B), cast(C), jnp.asarray(D))
+    return (*out, jnp.asarray(h0)) if with_init else out
+
+
+def mamba2_inputs(b, l, h, p, n, g, *, dtype=jnp.float32, with_init=False, seed=0):
+    """(x, dt, A, B, C, D[, initial_state])."""
+    x, dr, ar, B, C, D, h0 = _rng_arrays(
+        seed, (b, l, h, p), (b, l, h), (h,), (b, l, g, n), (b, l, g, n), (h,), (b, h, p, n)
+    )
+    dt, A = np.log1p(np.exp(dr - 1.0)), -np.exp(0.5 * ar)
+    cast = lambda t: jnp.asarray(t, dtype)
+    out = (cast(x), cast(dt), jnp.asarray(A), cast(B), cast(C), jnp.asarray(D))
+    return (*out, jnp.asarray(h0)) if with_init else out
+
+
+# --------------------------------------------------------------------------------------------------
+# The scan kernels' rows
+# --------------------------------------------------------------------------------------------------
+
+
+def _scan_kernel(*args, **kw):
+    return selective_scan_pallas(*args[:6], args[6] if len(args) > 6 else None, **kw)
+
+
+def _scan_reference(*args):
+    return selective_scan_reference(*args[:6], args[6] if len(args) > 6 else None)
+
+
+def _ssd_kernel(*args, **kw):
+    return ssd_pallas(*args[:6], 64, args[6] if len(args) > 6 else None, **kw)
+
+
+def _ssd_reference(*args):
+    return ssd_reference(*args[:6], 64, args[6] if len(args) > 6 else None)
+
+
+# Relative-error bounds (max |err| / max |ref|). Both paths compute in fp32 from the same inputs; the
+# bound leaves room for sequential-vs-associative rounding at L = 4096 and approximate GPU exp.
+TOL = {"float32": 1e-4, "bfloat16": 2e-4}
+
+# (label, inputs builder, full-size shape, smoke shape): one-step, odd/prime and long sequences.
+SCAN_CASES = [
+    ("mamba1 l=1", mamba1_inputs, (2, 1, 1536, 16), (1, 1, 16, 8)),
+    ("mamba1 prime l", mamba1_inputs, (2, 1031, 1536, 16), (2, 13, 16, 8)),
+    ("mamba1 long l", mamba1_inputs, (1, 4096, 768, 16), (1, 40, 16, 8)),
+    ("mamba2 l=1 g=1", mamba2_inputs, (2, 1, 24, 64, 128, 1), (1, 1, 4, 16, 16, 1)),
+    ("mamba2 prime l g=2", mamba2_inputs, (2, 1031, 24, 64, 128, 2), (2, 13, 4, 16, 16, 2)),
+    ("mamba2 long l g=1", mamba2_inputs, (1, 4096, 24, 64, 128, 1), (1, 40, 4, 16, 16, 1)),
+]
+
+
+def _register_scan_rows():
+    for label, make, shape, smoke in SCAN_CASES:
+        kernel, reference = (
+            (_scan_kernel, _scan_reference) if make is mamba1_inputs else (_ssd_kernel, _ssd_reference)
+        )
+        for dtype, init in ((jnp.float32, False), (jnp.bfloat16, True)):
+            name = jnp.dtype(dtype).name
+            build = functools.partial(_case_inputs, make, shape, smoke, dtype, init)
+            register_check(
+                Check(f"{label} {name}{' init' if init else ''}", build, kernel, reference, TOL[name])
+            )
+    for name, make, kernel, reference in (
+        ("mamba1 scan e=1536 n=16", lambda l: mamba1_inputs(1, l, 1536, 16), _scan_kernel, _scan_reference),
+        (
+            "mamba2 ssd h=24 p=64 n=128 g=1",
+            lambda l: mamba2_inputs(1, l, 24, 64, 128, 1),
+            _ssd_kernel,
+            _ssd_reference,
+        ),
+    ):
+        register_timing(Timing(name, (1024, 4096), make, kernel, reference))
+
+
+def _case_inputs(make, shape, smoke_shape, dtype, with_init, smoke: bool):
+    return make(*(smoke_shape if smoke else shape), dtype=dtype, with_init=with_init)
+
+
+_register_scan_rows()
+
+# --------------------------------------------------------------------------------------------------
+# Running the tables
+# --------------------------------------------------------------------------------------------------
+
+
+def rel_err(x, ref) -> float:
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return float(np.max(np.abs(x - ref)) / max(np.max(np.abs(ref)), 1e-30))
+
+
+def run_checks(smoke: bool, block_sizes: BlockSizes | None) -> bool:
+    print(f"{'check':<34} {'input 0 shape':<20} {'output':<7} {'rel err':>9} {'tol':>7}  ok")
+    all_ok = True
+    for check in CHECKS:
+        inputs = check.make_inputs(smoke)
+        kernel = functools.partial(check.kernel, block_sizes=block_sizes, platform="gpu", interpret=smoke)
+        kernel = jax.jit(kernel)
+        outs = jax.tree.leaves(kernel(*inputs))
+        refs = jax.tree.leaves(jax.jit(check.reference)(*inputs))
+        for i, (out, ref) in enumerate(zip(outs, refs, strict=True)):
+            err = rel_err(out, ref)
+            ok = bool(np.isfinite(err) and err <= check.tol and out.shape == ref.shape)
+            all_ok &= ok
+            shape, verdict = str(tuple(inputs[0].shape)), "ok" if ok else "FAIL"
+            print(f"{check.name:<34} {shape:<20} {'out' + str(i):<7} {err:9.2e} {check.tol:7.0e}  {verdict}")
+    return all_ok
+
+
+def time_ms(fn, inputs, repeats: int) -> float:
+    jax.block_until_ready(fn(*inputs))  # compile + warm-up
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*inputs))
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def run_timings(block_sizes_list: list[BlockSizes | None], repeats: int) -> None:
+    print(f"\n{'layer':<34} {'L':>6} {'xla ms':>9} {'pallas ms':>10} {'speed-up':>9}  block sizes")
+    for timing in TIMINGS:
+        for length in timing.lengths:
+            inputs = timing.make_inputs(length)
+            xla = time_ms(jax.jit(timing.reference), inputs, repeats)
+            for bs in block_sizes_list:
+                kernel = jax.jit(functools.partial(timing.kernel, block_sizes=bs, platform="gpu"))
+                ms = time_ms(kernel, inputs, repeats)
+                print(f"{timing.name:<34} {length:>6} {xla:9.3f} {ms:10.3f} {xla / ms:8.2f}x  {describe(bs)}")
+
+
+def describe(bs: BlockSizes | None) -> str:
+    if bs is None:
+        return "default"
+    return " ".join(f"{f.name}={getattr(bs, f.name)}" for f in dataclasses.fields(bs))
+
+
+SWEEP = [  # GPU candidates for --sweep (None = BlockSizes.for_platform("gpu"))
+    None,
+    BlockSizes(scan_block_e=16, ssd_chunk=32, ssd_block_p=16, num_warps_scan=1, num_warps_ssd=4),
+    BlockSizes(scan_block_e=64, ssd_chunk=64, ssd_block_p=64, num_warps_scan=2, num_warps_ssd=8),
+    BlockSizes(scan_block_e=128, ssd_chunk=128, ssd_block_p=32, num_warps_scan=4, num_warps_ssd=8),
+]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes in interpret mode, no timings")
+    parser.add_argument("--sweep", action="store_true", help="time a few GPU BlockSizes candidates")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--skip-checks", action="store_true")
+    args = parser.parse_args(argv)
+
+    backend = jax.default_backend()
+    print(f"jax {jax.__version__}, backend {backend}, devices {jax.devices()}")
+    if args.cpu_smoke:
+        smoke_blocks = BlockSizes(scan_block_l=8, scan_block_e=8, ssd_chunk=16, ssd_block_p=8)
+        return 0 if run_checks(smoke=True, block_sizes=smoke_blocks) else 1
+    if backend != "gpu":
+        print(
+            f"gpu_check needs a GPU (the default backend is {backend!r}); use --cpu-smoke for an "
+            "interpret-mode run on tiny shapes."
+        )
+        return 2
+    ok = True if args.skip_checks else run_checks(smoke=False, block_sizes=None)
+    run_timings(SWEEP if args.sweep else [None], args.repeats)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,717 @@
+"""Fused LaTIM scores: one layer's per-pair scores without ever writing T (latim-math.md, sections 4, 6).
+
+For target rows i (a subset ``rows`` of positions) and every source j, with the factors of
+:class:`latim_jax.decomposition.LayerFactors`:
+
+    M_{i,t}   = hidden attention (Mamba-2 per head, Mamba-1 per channel with the n-sum), plus [i=t] D
+    V_{i,j}   = G_i * sum_k M_{i,j+k} a_k[j]               (e,)   k < K conv taps
+    T_{i,j}   = V_{i,j} @ W_out                             (d,)
+    l2: ||T_ij||_2   l1: ||T_ij||_1   alti: max(0, ||hout_i||_1 - ||hout_i - T_ij - [i=j] h_i||_1)
+    logit: sum_e V_ij[e] q_i[e]                             (q = aux, (b, l, e))
+
+The kernels tile (target block of ti rows) x (source block of tj columns) x (d tile), rebuild M for
+the tile from the compensated segment sums of Delta (S = hi + lo: seg = (hi_i - hi_t) + (lo_i - lo_t),
+the reference's own formula, masked before exp), apply the conv taps by reading the source-side
+quantities (Delta, S, B) shifted by k (the wrapper stacks the K shifts, so no in-kernel window or
+unaligned slice is needed), multiply by G and into W_out, and reduce over d in place: each tile
+writes only (ti, tj) partial sums over its d tile. Tiles entirely above the diagonal are skipped and
+write zeros. The wrapper sums the d-tile partials, finishes the score (sqrt, alti's max) and zeroes
+j > i exactly. logit runs the same kernel with G <- G * q and W_out <- a ones column.
+
+Two variants, both run by interpret mode on CPU:
+- "tpu" (Mosaic): sources on lanes, channels on sublanes. Grid (b, i, j, d, e-chunk), the e-chunk axis
+  last and "arbitrary" with an fp32 VMEM accumulator (ti, d_tile, tj); per target row a
+  (d_tile, e_chunk) @ (e_chunk, tj) matmul with W_out's columns scaled by G_i. The causal-tile bound
+  per target block is scalar-prefetched: skipped tiles neither compute nor fetch new source blocks.
+- "gpu" (Triton): grid (b, i, j, d), all parallel, no scratch; a fori_loop over heads (Mamba-2) or
+  channel chunks (Mamba-1) carries a (ti*tj, d_tile) accumulator; every in-kernel shape is a power of
+  two (ti, tj, d_tile, p or the channel chunk, n).
+
+Mamba-1 evaluates exp(A[e, n] seg) for every (pair, channel, n, tap) directly (K*n exponentials per
+pair and channel): correct and simple, VPU/SFU-bound; the factorised off-diagonal form in
+pallas-notes is not implemented yet.
+
+Glossary: b batch, l length, r target rows, d model width, e inner width, n state size, h heads,
+p head dim, g groups, k conv taps (K of them), ti/tj tile rows/columns, dt d tile, ec e chunk.
+
+Order of this file: block sizes, kernels (tpu, gpu), forward drivers, custom_vjp public function,
+reference (last).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from latim_jax.kernels.block_sizes import (
+    gpu_compiler_params,
+    next_pow2,
+    normalize_platform,
+    resolve_target,
+    round_up,
+)
+
+METHODS = ("l2", "l1", "alti", "logit")
+f32 = jnp.float32
+_sq = pl.squeezed
+
+# --------------------------------------------------------------------------------------------------
+# Block sizes
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ScoreBlockSizes:
+    """Tiles of the fused score kernel; build one with ``ScoreBlockSizes.for_platform(platform)``.
+
+    rows/cols: target rows ti and source columns tj per tile (TPU: rows a multiple of 8, cols a
+    multiple of 128, or covering the whole padded axis; GPU: powers of two >= 16). d: d tile (None:
+    all of d; TPU a multiple of 8, GPU a power of two >= 16). e: channels per step (TPU: the e-chunk of
+    the "arbitrary" axis, a multiple of 128 or all of e, whole heads within one step; GPU Mamba-1: the
+    channel chunk of the in-kernel loop, a power of two; GPU Mamba-2 always steps one head).
+    precision: "highest" (fp32 matmuls: the exactness tests) or "default" (bf16 operands on TPU, TF32
+    on GPU). num_warps: Triton warps. vmem_limit_bytes: Mosaic's scoped-VMEM limit.
+    """
+
+    rows: int = 8
+    cols: int = 128
+    d: int | None = None
+    e: int = 256
+    precision: str = "highest"
+    num_warps: int = 4
+    vmem_limit_bytes: int = 48 * 1024 * 1024
+
+    def __post_init__(self):
+        for name in ("rows", "cols", "e", "num_warps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ScoreBlockSizes.{name} must be >= 1, found {getattr(self, name)}")
+        if self.d is not None and self.d < 1:
+            raise ValueError(f"ScoreBlockSizes.d must be >= 1 or None, found {self.d}")
+        if self.precision not in ("highest", "default"):
+            raise ValueError(f"ScoreBlockSizes.precision must be 'highest' or 'default', found {self.precision!r}")
+
+    @classmethod
+    def for_platform(cls, platform: str) -> ScoreBlockSizes:
+        """Defaults for "tpu", "gpu" (also "cuda"/"rocm") or "cpu" (interpret mode: few, big tiles)."""
+        platform = normalize_platform(platform)
+        if platform == "tpu":
+            return cls(rows=8, cols=128, d=None, e=256)
+        if platform == "gpu":
+            return cls(rows=16, cols=16, d=64, e=32, num_warps=4)
+        return cls(rows=8, cols=64, d=None, e=1024)
+
+
+def _precision(block_sizes: ScoreBlockSizes):
+    return lax.Precision.HIGHEST if block_sizes.precision == "highest" else lax.Precision.DEFAULT
+
+
+def _dot(a, b, precision):  # (m, k) (k, n) -> (m, n)
+    return jnp.dot(a, b, precision=precision, preferred_element_type=f32)
+
+
+def _dot_nt(a, b, precision):  # (m, k) (n, k) -> (m, n)
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=f32)
+
+
+# --------------------------------------------------------------------------------------------------
+# Shared tile math
+# --------------------------------------------------------------------------------------------------
+
+
+def _reduce_d(method, T, x, axis):
+    """Partial score over a d tile: T the contributions, x = hout_i - [i=j] h_i (alti only)."""
+    if method == "l2":
+        return jnp.sum(T * T, axis=axis)
+    if method == "l1":
+        return jnp.sum(jnp.abs(T), axis=axis)
+    if method == "alti":
+        return jnp.sum(jnp.abs(x - T), axis=axis)
+    return jnp.sum(T, axis=axis)  # logit: W_out is a ones column, G carries q
+
+
+def _pick_lane(x, i):
+    """Column i of x (m, c) as (m, 1), by a one-hot lane reduction (no unaligned or dynamic slice)."""
+    lane = lax.broadcasted_iota(jnp.int32, x.shape, 1)
+    return jnp.sum(jnp.where(lane == i, x, 0), axis=1, keepdims=True)
+
+
+def _pick_sublane(x, i):
+    """Row i of x (c, m) as (1, m), by a one-hot sublane reduction."""
+    sub = lax.broadcasted_iota(jnp.int32, x.shape, 0)
+    return jnp.sum(jnp.where(sub == i, x, 0), axis=0, keepdims=True)
+
+
+def _decay_factor(mask, A, seg):
+    """exp(A seg) on causal entries, the exponent masked before exp (seg >= 0 there, A < 0)."""
+    return jnp.exp(jnp.where(mask, A * seg, 0.0))
+
+
+# --------------------------------------------------------------------------------------------------
+# TPU kernels: grid (b, i-blocks, j-blocks, d-tiles, e-chunks); e-chunks "arbitrary", acc in VMEM.
+# Per row i (fori_loop): X (ec, tj) = sum_k M_k * a_k^T and acc[i] += (W^T * G_i) @ X; at the last
+# e-chunk each row is reduced over d (sublanes) into a (1, tj) lane row of the (ti, tj) output.
+# --------------------------------------------------------------------------------------------------
+
+
+def _tpu_epilogue(method, acc_ref, hout_ref, rows, jpos, out_ref):
+    """Reduce acc (ti, dt, tj) over d into out (ti, tj), one row per fori_loop step."""
+    ti, tj = out_ref.shape
+    sub = lax.broadcasted_iota(jnp.int32, (ti, tj), 0)
+
+    def row(i, out):
+        x = None
+        if method == "alti":
+            hout = _pick_lane(hout_ref[0], i)  # (dt, 1)
+            h_i = _pick_lane(hout_ref[1], i)
+            x = hout - jnp.where(jpos == _pick_lane(rows, i), h_i, 0.0)  # (dt, tj)
+        part = _reduce_d(method, acc_ref[i], x, axis=0)[None, :]  # (1, tj)
+        return jnp.where(sub == i, part, out)
+
+    out_ref[...] = lax.fori_loop(0, ti, row, jnp.zeros((ti, tj), f32))
+
+
+def _m2_kernel_tpu(
+    tmax_ref, rows_ref, a_ref, w_ref, g_ref, src_ref, tgt_ref, ad_ref, c_ref, b_ref, *rest, cfg
+):
+    """Mamba-2 TPU tile. Blocks: rows (1, ti) positions (f32); a (K, ec, tj); w = W_out^T (dt, ec);
+    g (ti, ec); src (hc, 3, K, tj) = shifted [Delta, hi, lo] per head; tgt (hc, 2, ti) = [hi, lo] of
+    the targets; ad (hc, 2, 1) = [A, D]; c (g, ti, n); b (g, K, n, tj) shifted B; [hout (2, dt, ti)];
+    out (ti, tj); scratch acc (ti, dt, tj)."""
+    method, K, hc, p, rep, prec = cfg
+    out_ref, acc_ref = rest[-2], rest[-1]
+    hout_ref = rest[0] if method == "alti" else None
+    ti, tj = out_ref.shape
+    ic, jc, ec = pl.program_id(1), pl.program_id(2), pl.program_id(4)
+    j0 = jc * tj
+    jpos = (j0 + lax.broadcasted_iota(jnp.int32, (1, tj), 1)).astype(f32)  # float positions: exact < 2^24
+    rows = rows_ref[...]  # (1, ti)
+
+    @pl.when(ec == 0)
+    def _():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, f32)
+
+    @pl.when(j0 <= tmax_ref[ic])
+    def _():
+        heads = []
+        for hh in range(hc):
+            grp = lax.div(ec * hc + hh, rep)
+            C = c_ref[grp]  # (ti, n)
+            cb = [_dot(C, b_ref[grp, k], prec) for k in range(K)]  # (ti, tj): C_i . B_{j+k}
+            heads.append((cb, ad_ref[hh, 0:1, :], ad_ref[hh, 1:2, :], tgt_ref[hh]))
+        w, g = w_ref[...], g_ref[...]
+
+        def row(i, carry):
+            r_i = _pick_lane(rows, i)  # (1, 1)
+            X = jnp.zeros(a_ref.shape[1:], f32)  # (ec, tj)
+            for k in range(K):
+                mask, diag = jpos + k <= r_i, jpos + k == r_i  # (1, tj)
+                pieces = []
+                for hh, (cb, A, D, tgt) in enumerate(heads):
+                    hl = _pick_lane(tgt, i)  # (2, 1)
+                    seg = (hl[0:1] - src_ref[hh, 1, k : k + 1, :]) + (hl[1:2] - src_ref[hh, 2, k : k + 1, :])
+                    m = _pick_sublane(cb[k], i) * _decay_factor(mask, A, seg) * src_ref[hh, 0, k : k + 1, :]
+                    m = jnp.where(mask, m, 0.0) + jnp.where(diag, D, 0.0)  # (1, tj)
+                    pieces.append(jnp.broadcast_to(m, (p, tj)))
+                M = pieces[0] if hc == 1 else jnp.concatenate(pieces, axis=0)  # (ec, tj), per channel
+                X = X + M * a_ref[k]
+            acc_ref[i] += _dot(w * _pick_sublane(g, i), X, prec)  # (dt, tj)
+            return carry
+
+        lax.fori_loop(0, ti, row, 0)
+
+    @pl.when(ec == pl.num_programs(4) - 1)
+    def _():
+        _tpu_epilogue(method, acc_ref, hout_ref, rows, jpos, out_ref)
+
+
+def _m1_kernel_tpu(
+    tmax_ref, rows_ref, a_ref, w_ref, g_ref, src_ref, tgt_ref, ad_ref, c_ref, b_ref, *rest, cfg
+):
+    """Mamba-1 TPU tile. Blocks: rows (1, ti); a (K, ec, tj); w (dt, ec); g (ti, ec); src (3, K, ec, tj)
+    = shifted [Delta, hi, lo] per channel; tgt (2, ec, ti); ad (ec, n + 1) = [A | D]; c (n, ti);
+    b (K, n, tj) shifted B; [hout (2, dt, ti)]; out (ti, tj); scratch acc (ti, dt, tj)."""
+    method, K, n, prec = cfg
+    out_ref, acc_ref = rest[-2], rest[-1]
+    hout_ref = rest[0] if method == "alti" else None
+    ti, tj = out_ref.shape
+    ic, jc, ec = pl.program_id(1), pl.program_id(2), pl.program_id(4)
+    j0 = jc * tj
+    jpos = (j0 + lax.broadcasted_iota(jnp.int32, (1, tj), 1)).astype(f32)
+    rows = rows_ref[...]
+
+    @pl.when(ec == 0)
+    def _():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, f32)
+
+    @pl.when(j0 <= tmax_ref[ic])
+    def _():
+        ad = ad_ref[...]
+        A_cols = [_pick_lane(ad, q) for q in range(n)]  # n x (ec, 1)
+        D = _pick_lane(ad, n)
+        w, g, c, tgt_hi, tgt_lo = w_ref[...], g_ref[...], c_ref[...], tgt_ref[0], tgt_ref[1]
+
+        def row(i, carry):
+            r_i = _pick_lane(rows, i)
+            hi, lo, C = _pick_lane(tgt_hi, i), _pick_lane(tgt_lo, i), _pick_lane(c, i)  # (ec,1),(ec,1),(n,1)
+            X = jnp.zeros(a_ref.shape[1:], f32)
+            for k in range(K):
+                mask, diag = jpos + k <= r_i, jpos + k == r_i
+                seg = jnp.where(mask, (hi - src_ref[1, k]) + (lo - src_ref[2, k]), 0.0)  # (ec, tj)
+                cb = C * b_ref[k]  # (n, tj): C_i[n] B_{j+k}[n]
+                s = sum(cb[q : q + 1] * jnp.exp(A_cols[q] * seg) for q in range(n))
+                M = jnp.where(mask, s * src_ref[0, k], 0.0) + jnp.where(diag, D, 0.0)
+                X = X + M * a_ref[k]
+            acc_ref[i] += _dot(w * _pick_sublane(g, i), X, prec)
+            return carry
+
+        lax.fori_loop(0, ti, row, 0)
+
+    @pl.when(ec == pl.num_programs(4) - 1)
+    def _():
+        _tpu_epilogue(method, acc_ref, hout_ref, rows, jpos, out_ref)
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU (Triton) kernels: grid (b, i-blocks, j-blocks, d-tiles), all parallel, no scratch. A fori_loop
+# over heads / channel chunks: X (ti, tj, c) = sum_k M_k a_k, acc (ti*tj, dt) += (G X) @ W_out.
+# --------------------------------------------------------------------------------------------------
+
+
+def _gpu_store(method, acc, hout_ref, rcol, jpos, out_ref):
+    ti, tj = out_ref.shape
+    T = acc.reshape(ti, tj, acc.shape[-1])
+    x = None
+    if method == "alti":
+        diag = (jpos == rcol)[:, :, None]
+        x = hout_ref[0][:, None, :] - jnp.where(diag, hout_ref[1][:, None, :], 0.0)  # (ti, tj, dt)
+    out_ref[...] = _reduce_d(method, T, x, axis=-1)
+
+
+def _m2_kernel_gpu(rows_ref, a_ref, w_ref, g_ref, src_ref, tgt_ref, ad_ref, c_ref, b_ref, *rest, cfg):
+    """Mamba-2 GPU tile. Blocks: rows (ti,) int32; a (K, tj, e); w = W_out (e, dt); g (ti, e);
+    src (3, K, h, tj) shifted [Delta, hi, lo]; tgt (2, ti, h); ad (2, h) = [A; D]; c (g, ti, n);
+    b (g, K, tj, n) shifted B; [hout (2, ti, dt)]; out (ti, tj)."""
+    method, K, heads, p, rep, prec = cfg
+    out_ref = rest[-1]
+    hout_ref = rest[0] if method == "alti" else None
+    ti, tj = out_ref.shape
+    dt = w_ref.shape[-1]
+    j0 = pl.program_id(2) * tj
+    rows = rows_ref[...]
+    rcol = rows[:, None]  # (ti, 1)
+    jpos = j0 + lax.broadcasted_iota(jnp.int32, (1, tj), 1)
+    live = j0 <= jnp.max(rows)
+
+    @pl.when(live)
+    def _():
+        def head(hd, acc):
+            grp = lax.div(hd, rep)
+            C = c_ref[grp]  # (ti, n)
+            one = pl.ds(hd, 1)
+            A, D = ad_ref[0:1, one], ad_ref[1:2, one]  # (1, 1)
+            hi, lo = tgt_ref[0, :, one], tgt_ref[1, :, one]  # (ti, 1)
+            ch = pl.ds(pl.multiple_of(hd * p, p), p)
+            X = jnp.zeros((ti, tj, p), f32)
+            for k in range(K):
+                mask, diag = jpos + k <= rcol, jpos + k == rcol  # (ti, tj)
+                seg = (hi - src_ref[1, k, one, :]) + (lo - src_ref[2, k, one, :])  # (ti, tj)
+                m = _dot_nt(C, b_ref[grp, k], prec) * _decay_factor(mask, A, seg) * src_ref[0, k, one, :]
+                m = jnp.where(mask, m, 0.0) + jnp.where(diag, D, 0.0)
+                X = X + m[:, :, None] * a_ref[k, :, ch][None]
+            V = X * g_ref[:, ch][:, None, :]  # (ti, tj, p)
+            return acc + _dot(V.reshape(ti * tj, p), w_ref[ch, :], prec)
+
+        acc = lax.fori_loop(0, heads, head, jnp.zeros((ti * tj, dt), f32))
+        _gpu_store(method, acc, hout_ref, rcol, jpos, out_ref)
+
+    @pl.when(jnp.logical_not(live))
+    def _():
+        out_ref[...] = jnp.zeros((ti, tj), f32)
+
+
+def _m1_kernel_gpu(rows_ref, a_ref, w_ref, g_ref, src_ref, tgt_ref, ad_ref, c_ref, b_ref, *rest, cfg):
+    """Mamba-1 GPU tile. Blocks: rows (ti,); a (K, tj, e); w (e, dt); g (ti, e); src (3, K, tj, e)
+    shifted [Delta, hi, lo]; tgt (2, ti, e); ad (n + 1, e) = [A^T; D]; c (ti, n); b (K, n, tj) shifted
+    B; [hout (2, ti, dt)]; out (ti, tj). Channel chunks of ec (a power of two)."""
+    method, K, n, ec, n_chunks, prec = cfg
+    out_ref = rest[-1]
+    hout_ref = rest[0] if method == "alti" else None
+    ti, tj = out_ref.shape
+    dt = w_ref.shape[-1]
+    j0 = pl.program_id(2) * tj
+    rows = rows_ref[...]
+    rcol = rows[:, None]
+    jpos = j0 + lax.broadcasted_iota(jnp.int32, (1, tj), 1)
+    live = j0 <= jnp.max(rows)
+
+    @pl.when(live)
+    def _():
+        def chunk(cc, acc):
+            ch = pl.ds(pl.multiple_of(cc * ec, ec), ec)
+            hi, lo = tgt_ref[0, :, ch][:, None, :], tgt_ref[1, :, ch][:, None, :]  # (ti, 1, ec)
+            D = ad_ref[pl.ds(n, 1), ch][None]  # (1, 1, ec)
+            X = jnp.zeros((ti, tj, ec), f32)
+            for k in range(K):
+                mask = (jpos + k <= rcol)[:, :, None]  # (ti, tj, 1)
+                diag = (jpos + k == rcol)[:, :, None]
+                seg = (hi - src_ref[1, k, :, ch][None]) + (lo - src_ref[2, k, :, ch][None])  # (ti, tj, ec)
+                seg = jnp.where(mask, seg, 0.0)
+                s = jnp.zeros((ti, tj, ec), f32)
+                for q in range(n):
+                    cb = c_ref[:, pl.ds(q, 1)] * b_ref[k, pl.ds(q, 1), :]  # (ti, tj)
+                    s = s + cb[:, :, None] * jnp.exp(ad_ref[pl.ds(q, 1), ch][None] * seg)
+                M = jnp.where(mask, s * src_ref[0, k, :, ch][None], 0.0) + jnp.where(diag, D, 0.0)
+                X = X + M * a_ref[k, :, ch][None]
+            V = X * g_ref[:, ch][:, None, :]
+            return acc + _dot(V.reshape(ti * tj, ec), w_ref[ch, :], prec)
+
+        acc = lax.fori_loop(0, n_chunks, chunk, jnp.zeros((ti * tj, dt), f32))
+        _gpu_store(method, acc, hout_ref, rcol, jpos, out_ref)
+
+    @pl.when(jnp.logical_not(live))
+    def _():
+        out_ref[...] = jnp.zeros((ti, tj), f32)
+
+
+# --------------------------------------------------------------------------------------------------
+# Forward drivers: fp32 casts, padding, the K source shifts, per-variant layouts, pallas_call.
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prepared:
+    """Variant-independent inputs (natural layouts, fp32, padded): see `_prepare`."""
+
+    rows: jax.Array  # (rp,) int32, -1 on padding rows
+    a: jax.Array  # (b, K, lp, e)
+    W: jax.Array  # (e, dp)
+    G: jax.Array  # (b, rp, e) at the target rows (times q for logit)
+    src: jax.Array  # (b, 3, K, lp, c) shifted [Delta, hi, lo]; c = h (Mamba-2) or e (Mamba-1)
+    tgt: jax.Array  # (b, 2, rp, c) [hi, lo] at the target rows
+    A: jax.Array  # (h,) or (e, n)
+    D: jax.Array  # (h,) or (e,)
+    C: jax.Array  # (b, rp, g, n) or (b, rp, n) at the target rows
+    B: jax.Array  # (b, K, lp, g, n) or (b, K, lp, n) shifted
+    hout: jax.Array | None  # (b, 2, rp, dp) [h + o, h] at the target rows (alti)
+
+
+def _shift_stack(x, K: int, lp: int):
+    """x (b, l, ...) -> (b, K, lp, ...) with [:, k, j] = x[:, j + k], zero past the end."""
+    pad = lp + K - 1 - x.shape[1]
+    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    return jnp.stack([x[:, k : k + lp] for k in range(K)], axis=1)
+
+
+def _prepare(f, method, rows, aux, rp: int, lp: int, dp: int) -> _Prepared:
+    K, _, l, e = f.a.shape
+    rows_p = jnp.full((rp,), -1, jnp.int32).at[: rows.shape[0]].set(rows.astype(jnp.int32))
+    at = jnp.clip(rows_p, 0, l - 1)
+    take = lambda x: x.astype(f32)[:, at]  # noqa: E731  (b, rp, ...)
+    G, W = take(f.G), f.W_out.astype(f32)
+    if method == "logit":
+        G, W = G * take(aux), jnp.ones((e, 1), f32)
+    W = jnp.pad(W, ((0, 0), (0, dp - W.shape[1])))
+    a = jnp.pad(jnp.moveaxis(f.a.astype(f32), 0, 1), ((0, 0), (0, 0), (0, lp - l), (0, 0)))
+    dec = (f.delta, f.decay.hi, f.decay.lo)
+    src = jnp.stack([_shift_stack(x.astype(f32), K, lp) for x in dec], axis=1)
+    tgt = jnp.stack([take(f.decay.hi), take(f.decay.lo)], axis=1)
+    hout = None
+    if method == "alti":
+        h = f.h.astype(f32)
+        hout = jnp.stack([take(h + f.output.astype(f32)), take(h)], axis=1)
+        hout = jnp.pad(hout, ((0, 0), (0, 0), (0, 0), (0, dp - hout.shape[-1])))
+    return _Prepared(
+        rows=rows_p,
+        a=a,
+        W=W,
+        G=G,
+        src=src,
+        tgt=tgt,
+        A=f.A.astype(f32),
+        D=f.D.astype(f32),
+        C=take(f.C),
+        B=_shift_stack(f.B.astype(f32), K, lp),
+        hout=hout,
+    )
+
+
+def _tile_t(x, ti: int):
+    """(b, rp, ...c) -> (b, rp / ti, ...c, ti): each target tile transposed, rows on lanes."""
+    b, rp = x.shape[:2]
+    x = x.reshape(b, rp // ti, ti, *x.shape[2:])
+    return jnp.moveaxis(x, 2, -1)
+
+
+def _tpu_channel_chunk(version: int, e: int, p: int, heads: int, want: int, interpret: bool):
+    """Channels per e-step: whole heads for Mamba-2 (any groups: the kernel looks each head's up);
+    lane-aligned (a multiple of 128 or all of e) unless interpret."""
+    unit = p if version == 2 else 1
+    n_units = heads if version == 2 else e
+    for count in range(max(1, min(n_units, want // unit)), 0, -1):
+        if n_units % count:
+            continue
+        if interpret or (count * unit) % 128 == 0 or count == n_units:
+            return count * unit
+    return e
+
+
+def _forward_tpu(f, method, rows, aux, bs: ScoreBlockSizes, interpret: bool):
+    K, b, l, e = f.a.shape
+    d = f.W_out.shape[1] if method != "logit" else 1
+    r = rows.shape[0]
+    ti = min(bs.rows, round_up(r, 8))
+    tj = min(bs.cols, round_up(l, 8))
+    dt = round_up(d, 8) if bs.d is None else min(bs.d, round_up(d, 8))
+    rp, lp, dp = round_up(r, ti), round_up(l, tj), round_up(d, dt)
+    if not interpret:
+        for name, v, m, full in (("rows", ti, 8, rp), ("cols", tj, 128, lp), ("d", dt, 8, dp)):
+            if v % m and v != full:
+                raise ValueError(f"TPU fused-score block {name}={v} must be a multiple of {m} or the whole axis")
+    x = _prepare(f, method, rows, aux, rp, lp, dp)
+    heads = f.heads
+    p, n = e // heads, f.B.shape[-1]
+    ni, nj, nd = rp // ti, lp // tj, dp // dt
+    prec = _precision(bs)
+    # last causal tile per target block (scalar-prefetched): skip + no new source DMA beyond it
+    tmax = jnp.max(x.rows.reshape(ni, ti), axis=1)
+    jlast = lambda i, tm: jnp.maximum(lax.div(tm[i], jnp.int32(tj)), 0)  # noqa: E731
+    src_j = lambda i, j, tm: jnp.minimum(j, jlast(i, tm))  # noqa: E731
+
+    rows_t = x.rows.astype(f32).reshape(ni, 1, ti)
+    a_t = jnp.swapaxes(x.a, 2, 3)  # (b, K, e, lp)
+    W_t = x.W.T  # (dp, e)
+    if f.version == 2:
+        rep = heads // x.C.shape[2]
+        ec = _tpu_channel_chunk(2, e, p, heads, bs.e, interpret)
+        hc = ec // p
+        src = jnp.moveaxis(jnp.swapaxes(x.src, 3, 4), 3, 1)  # (b, h, 3, K, lp)
+        tgt = _tile_t(x.tgt.transpose(0, 2, 3, 1), ti)  # (b, ni, h, 2, ti)
+        ad = jnp.stack([x.A, x.D], axis=1)[..., None]  # (h, 2, 1)
+        C = jnp.swapaxes(x.C, 1, 2)  # (b, g, rp, n)
+        B = jnp.moveaxis(x.B, 3, 1).swapaxes(3, 4)  # (b, g, K, n, lp)
+        g = C.shape[1]
+        kernel = functools.partial(_m2_kernel_tpu, cfg=(method, K, hc, p, rep, prec))
+        specs = [
+            pl.BlockSpec((_sq, hc, 3, K, tj), lambda bi, i, j, dd, c, tm: (bi, c, 0, 0, src_j(i, j, tm))),
+            pl.BlockSpec((_sq, _sq, hc, 2, ti), lambda bi, i, j, dd, c, tm: (bi, i, c, 0, 0)),
+            pl.BlockSpec((hc, 2, 1), lambda bi, i, j, dd, c, tm: (c, 0, 0)),
+            pl.BlockSpec((_sq, g, ti, n), lambda bi, i, j, dd, c, tm: (bi, 0, i, 0)),
+            pl.BlockSpec((_sq, g, K, n, tj), lambda bi, i, j, dd, c, tm: (bi, 0, 0, 0, src_j(i, j, tm))),
+        ]
+        arrays = [src, tgt, ad, C, B]
+    else:
+        ec = _tpu_channel_chunk(1, e, 1, e, bs.e, interpret)
+        src = jnp.swapaxes(x.src, 3, 4)  # (b, 3, K, e, lp)
+        tgt = _tile_t(jnp.moveaxis(x.tgt, 1, 2), ti)  # (b, ni, 2, e, ti)
+        ad = jnp.concatenate([x.A, x.D[:, None]], axis=1)  # (e, n + 1)
+        C = _tile_t(x.C, ti)  # (b, ni, n, ti)
+        B = jnp.swapaxes(x.B, 2, 3)  # (b, K, n, lp)
+        kernel = functools.partial(_m1_kernel_tpu, cfg=(method, K, n, prec))
+        specs = [
+            pl.BlockSpec((_sq, 3, K, ec, tj), lambda bi, i, j, dd, c, tm: (bi, 0, 0, c, src_j(i, j, tm))),
+            pl.BlockSpec((_sq, _sq, 2, ec, ti), lambda bi, i, j, dd, c, tm: (bi, i, 0, c, 0)),
+            pl.BlockSpec((ec, n + 1), lambda bi, i, j, dd, c, tm: (c, 0)),
+            pl.BlockSpec((_sq, _sq, n, ti), lambda bi, i, j, dd, c, tm: (bi, i, 0, 0)),
+            pl.BlockSpec((_sq, K, n, tj), lambda bi, i, j, dd, c, tm: (bi, 0, 0, src_j(i, j, tm))),
+        ]
+        arrays = [src, tgt, ad, C, B]
+    ne = e // ec
+    in_specs = [
+        pl.BlockSpec((_sq, 1, ti), lambda bi, i, j, dd, c, tm: (i, 0, 0)),
+        pl.BlockSpec((_sq, K, ec, tj), lambda bi, i, j, dd, c, tm: (bi, 0, c, src_j(i, j, tm))),
+        pl.BlockSpec((dt, ec), lambda bi, i, j, dd, c, tm: (dd, c)),
+        pl.BlockSpec((_sq, ti, ec), lambda bi, i, j, dd, c, tm: (bi, i, c)),
+        *specs,
+    ]
+    arrays = [rows_t, a_t, W_t, x.G, *arrays]
+    if method == "alti":
+        hout = _tile_t(jnp.moveaxis(x.hout, 2, 1), ti)  # (b, ni, 2, dp, ti)
+        in_specs.append(pl.BlockSpec((_sq, _sq, 2, dt, ti), lambda bi, i, j, dd, c, tm: (bi, i, 0, dd, 0)))
+        arrays.append(hout)
+    params_cls = pltpu.CompilerParams if hasattr(pltpu, "CompilerParams") else pltpu.TPUCompilerParams
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((b, nd, rp, lp), f32),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(b, ni, nj, nd, ne),
+            in_specs=in_specs,
+            out_specs=pl.BlockSpec((_sq, _sq, ti, tj), lambda bi, i, j, dd, c, tm: (bi, dd, i, j)),
+            scratch_shapes=[pltpu.VMEM((ti, dt, tj), f32)],
+        ),
+        compiler_params=params_cls(
+            dimension_semantics=("parallel", "parallel", "parallel", "parallel", "arbitrary"),
+            vmem_limit_bytes=bs.vmem_limit_bytes,
+        ),
+        interpret=interpret,
+    )(tmax, *arrays)
+    return out, x
+
+
+def _forward_gpu(f, method, rows, aux, bs: ScoreBlockSizes, interpret: bool):
+    K, b, l, e = f.a.shape
+    d = f.W_out.shape[1] if method != "logit" else 1
+    r = rows.shape[0]
+    floor = 1 if interpret else 16
+    ti = min(bs.rows, max(next_pow2(r), floor))
+    tj = min(bs.cols, max(next_pow2(l), floor))
+    dt = min(next_pow2(d) if bs.d is None else bs.d, max(next_pow2(d), floor))
+    heads, n = f.heads, f.B.shape[-1]
+    p = e // heads
+    ec = p if f.version == 2 else min(bs.e, next_pow2(e))
+    if not interpret:
+        for name, v in (("rows", ti), ("cols", tj), ("d", dt), ("head dim / e chunk", ec), ("n", n)):
+            if v & (v - 1) or v < (16 if name != "head dim / e chunk" else 1):
+                raise ValueError(f"the GPU fused-score kernel needs {name} a power of two (>= 16), found {v}")
+    rp, lp, dp = round_up(r, ti), round_up(l, tj), round_up(d, dt)
+    x = _prepare(f, method, rows, aux, rp, lp, dp)
+    ni, nj, nd = rp // ti, lp // tj, dp // dt
+    prec = _precision(bs)
+    a, W, G = x.a, x.W, x.G
+    if f.version == 2:
+        rep = heads // x.C.shape[2]
+        g = x.C.shape[2]
+        src = jnp.swapaxes(x.src, 3, 4)  # (b, 3, K, h, lp)
+        ad = jnp.stack([x.A, x.D])  # (2, h)
+        C = jnp.swapaxes(x.C, 1, 2)  # (b, g, rp, n)
+        B = jnp.moveaxis(x.B, 3, 1)  # (b, g, K, lp, n)
+        kernel = functools.partial(_m2_kernel_gpu, cfg=(method, K, heads, p, rep, prec))
+        specs = [
+            pl.BlockSpec((_sq, 3, K, heads, tj), lambda bi, i, j, dd: (bi, 0, 0, 0, j)),
+            pl.BlockSpec((_sq, 2, ti, heads), lambda bi, i, j, dd: (bi, 0, i, 0)),
+            pl.BlockSpec((2, heads), lambda bi, i, j, dd: (0, 0)),
+            pl.BlockSpec((_sq, g, ti, n), lambda bi, i, j, dd: (bi, 0, i, 0)),
+            pl.BlockSpec((_sq, g, K, tj, n), lambda bi, i, j, dd: (bi, 0, 0, j, 0)),
+        ]
+        arrays = [src, x.tgt, ad, C, B]
+        ep = e
+    else:
+        ep = round_up(e, ec)  # zero channels contribute nothing (a = G = W = 0)
+        pad_e = lambda t, axis: jnp.pad(t, [(0, ep - e if ax == axis % t.ndim else 0) for ax in range(t.ndim)])  # noqa: E731
+        a, W, G = pad_e(a, -1), pad_e(W, 0), pad_e(G, -1)
+        src, tgt = pad_e(x.src, -1), pad_e(x.tgt, -1)
+        ad = pad_e(jnp.concatenate([x.A.T, x.D[None]], axis=0), -1)  # (n + 1, ep)
+        B = jnp.swapaxes(x.B, 2, 3)  # (b, K, n, lp)
+        kernel = functools.partial(_m1_kernel_gpu, cfg=(method, K, n, ec, ep // ec, prec))
+        specs = [
+            pl.BlockSpec((_sq, 3, K, tj, ep), lambda bi, i, j, dd: (bi, 0, 0, j, 0)),
+            pl.BlockSpec((_sq, 2, ti, ep), lambda bi, i, j, dd: (bi, 0, i, 0)),
+            pl.BlockSpec((n + 1, ep), lambda bi, i, j, dd: (0, 0)),
+            pl.BlockSpec((_sq, ti, n), lambda bi, i, j, dd: (bi, i, 0)),
+            pl.BlockSpec((_sq, K, n, tj), lambda bi, i, j, dd: (bi, 0, 0, j)),
+        ]
+        arrays = [src, tgt, ad, x.C, B]
+    in_specs = [
+        pl.BlockSpec((ti,), lambda bi, i, j, dd: (i,)),
+        pl.BlockSpec((_sq, K, tj, ep), lambda bi, i, j, dd: (bi, 0, j, 0)),
+        pl.BlockSpec((ep, dt), lambda bi, i, j, dd: (0, dd)),
+        pl.BlockSpec((_sq, ti, ep), lambda bi, i, j, dd: (bi, i, 0)),
+        *specs,
+    ]
+    arrays = [x.rows, a, W, G, *arrays]
+    if method == "alti":
+        in_specs.append(pl.BlockSpec((_sq, 2, ti, dt), lambda bi, i, j, dd: (bi, 0, i, dd)))
+        arrays.append(x.hout)
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((b, nd, rp, lp), f32),
+        grid=(b, ni, nj, nd),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((_sq, _sq, ti, tj), lambda bi, i, j, dd: (bi, dd, i, j)),
+        compiler_params=gpu_compiler_params(bs.num_warps),
+        interpret=interpret,
+    )(*arrays)
+    return out, x
+
+
+def _finish(method, partial, x: _Prepared, rows, length: int):
+    """Sum the d-tile partials, finish the score and zero j > i exactly: (b, r, l)."""
+    r = rows.shape[0]
+    s = jnp.sum(partial, axis=1)[:, :r, :length]
+    if method == "l2":
+        s = jnp.sqrt(s)
+    elif method == "alti":
+        full = jnp.sum(jnp.abs(x.hout[:, 0, :r]), axis=-1)[:, :, None]
+        s = jnp.maximum(0.0, full - s)
+    causal = jnp.arange(length)[None, :] <= rows[:, None]
+    return jnp.where(causal[None], s, 0.0)
+
+
+def _fused_forward(f, method, rows, aux, config):
+    block_sizes, target, interpret = config
+    forward = _forward_tpu if target == "tpu" else _forward_gpu
+    partial, prepared = forward(f, method, rows, aux, block_sizes, interpret)
+    return _finish(method, partial, prepared, rows, f.length)
+
+
+# --------------------------------------------------------------------------------------------------
+# Public function: custom_vjp whose backward is the VJP of the pure-JAX blocked reference.
+# --------------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 4))
+def _fused_custom_vjp(f, method, rows, aux, config):
+    return _fused_forward(f, method, rows, aux, config)
+
+
+def _fused_fwd(f, method, rows, aux, config):
+    return _fused_forward(f, method, rows, aux, config), (f, rows, aux)
+
+
+def _fused_bwd(method, config, residuals, cotangent):
+    del config
+    f, rows, aux = residuals
+    _, vjp = jax.vjp(lambda f_, aux_: fused_scores_reference(f_, method, rows, aux=aux_), f, aux)
+    df, daux = vjp(cotangent)
+    return df, None, daux
+
+
+_fused_custom_vjp.defvjp(_fused_fwd, _fused_bwd)
+
+
+def fused_layer_scores(
+    f, method: str, rows, *, aux=None, block_sizes: ScoreBlockSizes | None = None, platform=None, interpret=None
+):
+    """Unnormalised scores (b, len(rows), l) of one layer, fp32, T never materialised.
+
+    f: a :class:`latim_jax.decomposition.LayerFactors`; method: "l2" | "l1" | "alti" | "logit" (alti
+    before row normalisation: the caller normalises; logit needs aux (b, l, e), the per-target
+    readout q). rows: (r,) int target positions. Equal to ``fused_scores_reference`` (the blocked
+    pure-JAX path) to fp32 rounding. platform: "tpu" | "gpu" kernel variant (None: the default
+    backend; on CPU the TPU variant); interpret: None runs interpret mode exactly on CPU.
+    Differentiable (the backward is the reference's VJP) and vmappable.
+    """
+    if method not in METHODS:
+        raise ValueError(f"fused scores support {METHODS}, found {method!r}")
+    if method == "logit" and aux is None:
+        raise ValueError("method 'logit' needs aux (b, l, e)")
+    rows = jnp.asarray(rows, jnp.int32)
+    if rows.ndim != 1 or rows.shape[0] < 1:
+        raise ValueError(f"rows must be a non-empty 1-D index array, found shape {rows.shape}")
+    target, interpret = resolve_target(platform, interpret)
+    if block_sizes is None:
+        block_sizes = ScoreBlockSizes.for_platform("cpu" if interpret else target)
+    if f.version == 2 and f.heads % f.B.shape[2]:
+        raise ValueError(f"heads h={f.heads} must be a multiple of groups g={f.B.shape[2]}")
+    aux = None if method != "logit" else aux
+    return _fused_custom_vjp(f, method, rows, aux, (block_sizes, target, interpret))
+
+
+# --------------------------------------------------------------------------------------------------
+# Reference: the blocked pure-JAX path of latim_jax.scores (imported lazily: scores may import us).
+# --------------------------------------------------------------------------------------------------
+
+
+def fused_scores_reference(f, method: str, rows, *, aux=None, blocks=None):
+    """``blocked(pair_score)`` of latim_jax.scores: (b, len(rows), l), alti before normalisation."""
+    from latim_jax.scores import Blocks, blocked, pair_score
+
+    blocks = blocks or Blocks.for_layer(f.version, f.length)
+    rows = jnp.asarray(rows, jnp.int32)
+    return blocked(lambda rb, j0: pair_score(f, method, rb, j0, blocks.cols, aux), rows, f.length, blocks)
