@@ -16,7 +16,9 @@ import time
 
 SHAPES = {
     1: dict(version=1, d_model=768, n_layers=1, vocab_size=256, d_state=16, d_conv=4),
-    2: dict(version=2, d_model=768, n_layers=1, vocab_size=256, d_state=128, d_conv=4, head_dim=64, chunk_size=64),
+    2: dict(
+        version=2, d_model=768, n_layers=1, vocab_size=256, d_state=128, d_conv=4, head_dim=64, chunk_size=64
+    ),
 }
 
 
@@ -52,7 +54,11 @@ def child(version: int, length: int, variant: str) -> None:
     jax.block_until_ready(fn())
     second = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # GiB (ru_maxrss is KiB on Linux)
-    print(json.dumps({"variant": variant, "length": length, "first_s": first, "run_s": second, "peak_gib": peak}))
+    print(
+        json.dumps(
+            {"variant": variant, "length": length, "first_s": first, "run_s": second, "peak_gib": peak}
+        )
+    )
 
 
 def main() -> None:
@@ -70,20 +76,28 @@ def main() -> None:
     for length in args.lengths:
         res = {}
         for variant in args.variants:
-            out = subprocess.run([sys.executable, __file__, "--child", str(args.version), str(length), variant],
-                                 capture_output=True, text=True)
+            out = subprocess.run(
+                [sys.executable, __file__, "--child", str(args.version), str(length), variant],
+                capture_output=True,
+                text=True,
+            )
             if out.returncode != 0:
                 res[variant] = None
                 print(f"L={length} {variant}: failed ({out.stderr.strip().splitlines()[-1:]})", flush=True)
                 continue
             res[variant] = json.loads(out.stdout.strip().splitlines()[-1])
             r = res[variant]
-            print(f"L={length} {variant}: run {r['run_s']:.2f} s (first {r['first_s']:.1f} s), "
-                  f"peak {r['peak_gib']:.2f} GiB", flush=True)
+            print(
+                f"L={length} {variant}: run {r['run_s']:.2f} s (first {r['first_s']:.1f} s), "
+                f"peak {r['peak_gib']:.2f} GiB",
+                flush=True,
+            )
         rows.append((length, res))
-    lines = [f"\n### Mamba-{args.version}, one 130m-shaped layer, l2 exact, CPU ({time.strftime('%Y-%m-%d')})\n",
-             "| L | variant | run (s) | peak RSS (GiB) | time vs materialise | memory vs materialise |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"\n### Mamba-{args.version}, one 130m-shaped layer, l2 exact, CPU ({time.strftime('%Y-%m-%d')})\n",
+        "| L | variant | run (s) | peak RSS (GiB) | time vs materialise | memory vs materialise |",
+        "|---|---|---|---|---|---|",
+    ]
     for length, res in rows:
         base = res.get("materialise")
         for variant, r in res.items():

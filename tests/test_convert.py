@@ -18,6 +18,9 @@ import time
 import ml_dtypes
 import numpy as np
 import pytest
+from safetensors.numpy import save_file
+
+from latim_jax.config import MambaConfig, param_shapes
 from latim_jax.convert import hub, orbax_io
 from latim_jax.convert.codestral import config_from_codestral
 from latim_jax.convert.errors import CheckpointError, SourceUnavailableError
@@ -25,9 +28,6 @@ from latim_jax.convert.hf import config_from_hf
 from latim_jax.convert.mamba_ssm import config_from_mamba_ssm
 from latim_jax.convert.orbax_io import load_checkpoint, save_checkpoint
 from latim_jax.convert.reader import detect_format, read_checkpoint
-from safetensors.numpy import save_file
-
-from latim_jax.config import MambaConfig, param_shapes
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
