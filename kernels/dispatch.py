@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import jax
 
-from latim_jax.kernels.selective_scan import selective_scan_pallas, selective_scan_reference
-from latim_jax.kernels.ssd import ssd_pallas, ssd_reference
+from latim_jax.kernels.selective_scan import (
+    selective_scan_pallas,
+    selective_scan_reference,
+    selective_scan_step_reference,
+)
+from latim_jax.kernels.ssd import ssd_pallas, ssd_reference, ssd_step_reference
 
 IMPLS = ("auto", "xla", "pallas")
 
@@ -46,3 +50,13 @@ def ssd(x, dt, A, B, C, D, chunk_size=64, initial_state=None, *, impl="auto", bl
     if use_pallas(impl):
         return ssd_pallas(x, dt, A, B, C, D, chunk_size, initial_state, block_sizes=block_sizes)
     return ssd_reference(x, dt, A, B, C, D, chunk_size, initial_state)
+
+
+def selective_scan_step(state, u, delta, A, B, C, D):
+    """One Mamba-1 recurrent step (decoding; a few elementwise ops, no kernel). See selective_scan.py."""
+    return selective_scan_step_reference(state, u, delta, A, B, C, D)
+
+
+def ssd_step(state, x, dt, A, B, C, D):
+    """One Mamba-2 recurrent step (decoding; no kernel). See ssd.py."""
+    return ssd_step_reference(state, x, dt, A, B, C, D)

@@ -16,8 +16,6 @@ from flax import nnx
 
 from latim_jax.config import MambaConfig
 from latim_jax.kernels import dispatch
-from latim_jax.kernels.selective_scan import selective_scan_step_reference
-from latim_jax.kernels.ssd import ssd_step_reference
 from latim_jax.layers import activation, causal_conv, causal_conv_step, f32, group_rms, linear
 
 _PARAM_NAMES = (
@@ -133,7 +131,7 @@ class Mamba1Mixer(_Mixer):
         )
         v = activation(self.config.activation)(c_t)
         delta, B, C = self.ssm_params(v)
-        y, state = selective_scan_step_reference(state, v, delta, self.A, B, C, self.D[...])
+        y, state = dispatch.selective_scan_step(state, v, delta, self.A, B, C, self.D[...])
         o = linear(y * jax.nn.silu(z), self.out_proj[...], self._get("out_proj_b"))
         return o, (conv_cache, state)
 
@@ -198,7 +196,7 @@ class Mamba2Mixer(_Mixer):
             conv_cache, u.astype(self.in_proj[...].dtype), self.conv_w[...], self._get("conv_b")
         )
         xs, B, C = self.split_xbc(activation(c.activation)(c_t))
-        y, state = ssd_step_reference(state, xs, self.delta(dt), self.A, B, C, self.D[...])
+        y, state = dispatch.ssd_step(state, xs, self.delta(dt), self.A, B, C, self.D[...])
         y = y.reshape(y.shape[0], c.d_inner)
         o = linear(y * self.gate(y, z), self.out_proj[...], self._get("out_proj_b"))
         return o, (conv_cache, state)
