@@ -102,12 +102,14 @@ class TrainConfig:
 @dataclasses.dataclass
 class TrainResult:
     """What :func:`train` returns: the trained model, the loss of every step, the periodic evaluations
-    (dicts with step, loss, token_accuracy, sequence_accuracy) and the wall time in seconds."""
+    (dicts with step, loss, token_accuracy, sequence_accuracy), the wall time and the process CPU time in
+    seconds (compilation included; on a shared machine the CPU time is the steadier number)."""
 
     model: MambaLM
     losses: list[float]
     evals: list[dict]
     wall_time_s: float
+    cpu_time_s: float = 0.0
 
     @property
     def final(self) -> dict:
@@ -271,7 +273,7 @@ def train(
     held-out batch every ``tc.eval_every`` steps and after the last step.
     """
     steps = tc.steps if steps is None else steps
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     model = MambaLM(tc.model, initial_params(tc.model, tc.init, tc.seed))
     optimizer = nnx.Optimizer(model, make_optimizer(tc, steps), wrt=nnx.Param)
     data_rng = np.random.default_rng([tc.seed, 1])
@@ -291,35 +293,36 @@ def train(
                 "train_loss": losses[-1],
                 **evaluate(model, eval_batch, tc.eval_chunk),
                 "wall_time_s": time.perf_counter() - start,
+                "cpu_time_s": time.process_time() - cpu_start,
             }
             evals.append(ev)
             if log is not None:
                 log(
                     f"step {step:5d}  train loss {ev['train_loss']:.4f}  eval loss {ev['loss']:.4f}  "
                     f"token acc {ev['token_accuracy']:.4f}  seq acc {ev['sequence_accuracy']:.4f}  "
-                    f"{ev['wall_time_s']:.0f}s"
+                    f"{ev['wall_time_s']:.0f}s (cpu {ev['cpu_time_s']:.0f}s)"
                 )
-    return TrainResult(model=model, losses=losses, evals=evals, wall_time_s=time.perf_counter() - start)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    return TrainResult(model=model, losses=losses, evals=evals, wall_time_s=wall, cpu_time_s=cpu)
 
 
 def save_trained(out_dir: str | os.PathLike, result: TrainResult, tc: TrainConfig) -> Path:
-    """Write ``out_dir`` atomically (a temporary sibling directory, then a rename):
-    params/ (orbax StandardCheckpointer of ``model.params()``), latim_config.json (``config.to_json()``),
-    task.json (the task dict + final accuracy + training settings and history). Returns the path."""
-    import orbax.checkpoint as ocp
+    """Write ``out_dir`` atomically: a latim-jax checkpoint (``latim_jax.convert.save_checkpoint``:
+    params/ + latim_config.json) plus task.json (the task dict + final accuracy + training settings
+    and history), built in a temporary sibling directory and renamed into place. Returns the path."""
+    from latim_jax.convert import save_checkpoint
 
     out = Path(out_dir).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
-    tmp.mkdir()
-    params = jax.tree.map(np.asarray, result.model.params())
-    ckptr = ocp.StandardCheckpointer()
-    ckptr.save(tmp / "params", params)
-    ckptr.wait_until_finished()
-    (tmp / "latim_config.json").write_text(tc.model.to_json() + "\n")
-    (tmp / "task.json").write_text(json.dumps(_task_record(result, tc), indent=2) + "\n")
+    try:
+        save_checkpoint(tmp, tc.model, jax.tree.map(np.asarray, result.model.params()))
+        (tmp / "task.json").write_text(json.dumps(_task_record(result, tc), indent=2) + "\n")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     old = out.parent / f".{out.name}.old-{os.getpid()}"
     if out.exists():
         out.rename(old)
@@ -341,6 +344,8 @@ def _task_record(result: TrainResult, tc: TrainConfig) -> dict:
             **settings,
             "steps_run": len(result.losses),
             "wall_time_s": round(result.wall_time_s, 1),
+            "cpu_time_s": round(result.cpu_time_s, 1),
+            "cpu_count": os.cpu_count(),
             "jax_backend": jax.default_backend(),
             "history": result.evals,
         },
@@ -348,26 +353,12 @@ def _task_record(result: TrainResult, tc: TrainConfig) -> dict:
 
 
 def load_trained(path: str | os.PathLike) -> MambaLM:
-    """Read a directory written by :func:`save_trained`; the model's ``task`` holds task.json and its
-    ``source`` the directory."""
-    import orbax.checkpoint as ocp
+    """Read a directory written by :func:`save_trained` (same as ``latim_jax.load(path)``)."""
+    from latim_jax.loading import load
 
-    path = Path(path).resolve()
-    config = MambaConfig.from_dict(json.loads((path / "latim_config.json").read_text()))
-    params = ocp.StandardCheckpointer().restore(path / "params")
-    params = _as_layer_list(params)
-    model = MambaLM(config, jax.tree.map(np.asarray, params))
-    model.task = json.loads((path / "task.json").read_text())
-    model.source = str(path)
+    model = load(Path(path).resolve())
+    model.source = str(Path(path).resolve())
     return model
-
-
-def _as_layer_list(params: dict) -> dict:
-    """orbax may hand lists back as dicts keyed '0', '1', ...: turn 'layers' back into a list."""
-    layers = params["layers"]
-    if isinstance(layers, dict):
-        params = {**params, "layers": [layers[str(i)] for i in range(len(layers))]}
-    return params
 
 
 def train_from_config(
