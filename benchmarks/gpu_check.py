@@ -18,6 +18,7 @@ with a kernel and a reference callable and shows up in both tables.
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import functools
 import statistics
@@ -170,6 +171,123 @@ def _case_inputs(make, shape, smoke_shape, dtype, with_init, smoke: bool):
 
 
 _register_scan_rows()
+
+
+# --------------------------------------------------------------------------------------------------
+# The fused-score kernel's rows (kernels/fused_scores.py): one layer's unnormalised scores for every
+# target row, from the exact factors of a random 130m-shaped layer, against the blocked XLA path
+# (latim_jax.scores). "fp32" rows run both sides at matmul precision "highest"; the "tf32" row lets
+# both use tensor cores. The scan sweep's BlockSizes do not apply here: the score kernel uses its
+# ScoreBlockSizes defaults. Peak memory (each compiled program's temp + output bytes, and the
+# process peak) prints as a last table when the script exits.
+# --------------------------------------------------------------------------------------------------
+
+SCORE_LAYERS = {  # name: (full-size layer, smoke layer)
+    "mamba2 d=768 e=1536 h=24 n=128 g=1": (
+        dict(version=2, d_model=768, d_state=128, head_dim=64, n_groups=1),
+        dict(version=2, d_model=16, d_state=16, head_dim=16, n_groups=2),
+    ),
+    "mamba1 d=768 e=1536 n=16": (
+        dict(version=1, d_model=768, d_state=16),
+        dict(version=1, d_model=16, d_state=16),
+    ),
+}
+SCORE_MEMORY: list[tuple[str, int, dict]] = []
+
+
+def score_inputs(layer: str, length: int, smoke: bool = False, seed: int = 0):
+    """(rows, f): every target row, and the exact LayerFactors of a random 1-layer model on random
+    tokens (rows first: the check table prints the first input's shape)."""
+    import latim_jax
+    import latim_jax.init
+    from latim_jax.decomposition import layer_factors
+
+    full, tiny = SCORE_LAYERS[layer]
+    cfg = latim_jax.MambaConfig(n_layers=1, vocab_size=256, d_conv=4, **(tiny if smoke else full))
+    model = latim_jax.MambaLM(cfg, latim_jax.init.init_params(cfg, seed))
+    tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, (1, length))
+    f = jax.jit(lambda t: layer_factors(model, model.forward(t).residuals[0], 0, "exact"))(tokens)
+    return jnp.arange(length), f
+
+
+def _score_kernel(
+    rows, f, *, method="l2", precision="highest", block_sizes=None, platform=None, interpret=None
+):
+    from latim_jax.kernels.fused_scores import ScoreBlockSizes, fused_layer_scores
+
+    if not isinstance(block_sizes, ScoreBlockSizes):  # the scan's BlockSizes (sweep) do not apply
+        block_sizes = ScoreBlockSizes.for_platform(
+            "cpu" if interpret else (platform or jax.default_backend())
+        )
+    block_sizes = dataclasses.replace(block_sizes, precision=precision)
+    return fused_layer_scores(
+        f, method, rows, block_sizes=block_sizes, platform=platform, interpret=interpret
+    )
+
+
+def _score_reference(rows, f, *, method="l2", precision="highest"):
+    from latim_jax.kernels.fused_scores import fused_scores_reference
+
+    with jax.default_matmul_precision(precision):  # read when the einsums are traced
+        return fused_scores_reference(f, method, rows)
+
+
+def _score_timing_inputs(layer: str, precision: str, length: int):
+    inputs = score_inputs(layer, length)
+    kernel = functools.partial(_score_kernel, precision=precision, platform="gpu")
+    reference = functools.partial(_score_reference, precision=precision)
+    mem = {}
+    for side, fn in (("xla", reference), ("pallas", kernel)):
+        analysis = jax.jit(fn).lower(*inputs).compile().memory_analysis()
+        mem[side] = None if analysis is None else analysis.temp_size_in_bytes + analysis.output_size_in_bytes
+    SCORE_MEMORY.append((f"{layer} l2 {precision}", length, mem))
+    return inputs
+
+
+def print_score_memory() -> None:
+    if not SCORE_MEMORY:
+        return
+    gib = lambda x: "n/a" if x is None else f"{x / 2**30:.3f}"  # noqa: E731
+    header = f"{'fused scores: compiled temp + output':<44} {'L':>6} {'xla GiB':>9} {'pallas GiB':>11}"
+    print(f"\n{header} {'ratio':>7}")
+    for name, length, mem in SCORE_MEMORY:
+        ratio = f"{mem['xla'] / mem['pallas']:.1f}x" if mem["xla"] and mem["pallas"] else "n/a"
+        print(f"{name:<44} {length:>6} {gib(mem['xla']):>9} {gib(mem['pallas']):>11} {ratio:>7}")
+    stats = getattr(jax.devices()[0], "memory_stats", lambda: None)()
+    if stats and "peak_bytes_in_use" in stats:
+        print(f"process peak device memory: {stats['peak_bytes_in_use'] / 2**30:.3f} GiB")
+
+
+def _register_score_rows():
+    for layer in SCORE_LAYERS:
+        for method in ("l2", "alti"):
+            register_check(
+                Check(
+                    f"scores {method} {layer.split()[0]} prime l",
+                    functools.partial(
+                        lambda layer, smoke: score_inputs(layer, 13 if smoke else 1031, smoke), layer
+                    ),
+                    functools.partial(_score_kernel, method=method),
+                    functools.partial(_score_reference, method=method),
+                    TOL["float32"],
+                )
+            )
+    for layer, precisions in zip(SCORE_LAYERS, (("highest", "default"), ("highest",)), strict=True):
+        for precision in precisions:
+            label = "fp32" if precision == "highest" else "tf32"
+            register_timing(
+                Timing(
+                    f"fused l2 {layer.split()[0]} {label}",
+                    (1024, 4096),
+                    functools.partial(_score_timing_inputs, layer, precision),
+                    functools.partial(_score_kernel, precision=precision),
+                    functools.partial(_score_reference, precision=precision),
+                )
+            )
+    atexit.register(print_score_memory)
+
+
+_register_score_rows()
 
 # --------------------------------------------------------------------------------------------------
 # Running the tables

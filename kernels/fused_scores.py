@@ -70,13 +70,17 @@ _sq = pl.squeezed
 class ScoreBlockSizes:
     """Tiles of the fused score kernel; build one with ``ScoreBlockSizes.for_platform(platform)``.
 
-    rows/cols: target rows ti and source columns tj per tile (TPU: rows a multiple of 8, cols a
-    multiple of 128, or covering the whole padded axis; GPU: powers of two >= 16). d: d tile (None:
-    all of d; TPU a multiple of 8, GPU a power of two >= 16). e: channels per step (TPU: the e-chunk of
-    the "arbitrary" axis, a multiple of 128 or all of e, whole heads within one step; GPU Mamba-1: the
-    channel chunk of the in-kernel loop, a power of two; GPU Mamba-2 always steps one head).
-    precision: "highest" (fp32 matmuls: the exactness tests) or "default" (bf16 operands on TPU, TF32
-    on GPU). num_warps: Triton warps. vmem_limit_bytes: Mosaic's scoped-VMEM limit.
+    rows, cols: target rows ti and source columns tj per tile. TPU: rows a multiple of 8 and cols a
+        multiple of 128, or the whole (padded) axis; GPU: powers of two >= 16.
+    d: the d tile. None: TPU all of d up to 1024, else the largest multiple of 128 dividing d below
+        that; GPU all of d (as a power of two). Else TPU a multiple of 128 or all of d, GPU a power
+        of two >= 16.
+    e: channels per step. TPU: the e-chunk of the "arbitrary" grid axis (whole heads for Mamba-2; a
+        multiple of 128 or all of e). GPU Mamba-1: the channel chunk of the in-kernel loop (a power
+        of two); GPU Mamba-2 always steps one head.
+    precision: "highest" (fp32 matmuls; what the tests check) or "default" (bf16 MXU passes on TPU,
+        TF32 on GPU: faster, ~1e-3 relative error).
+    num_warps: Triton warps per program. vmem_limit_bytes: Mosaic's scoped-VMEM limit.
     """
 
     rows: int = 8
@@ -94,7 +98,9 @@ class ScoreBlockSizes:
         if self.d is not None and self.d < 1:
             raise ValueError(f"ScoreBlockSizes.d must be >= 1 or None, found {self.d}")
         if self.precision not in ("highest", "default"):
-            raise ValueError(f"ScoreBlockSizes.precision must be 'highest' or 'default', found {self.precision!r}")
+            raise ValueError(
+                f"ScoreBlockSizes.precision must be 'highest' or 'default', found {self.precision!r}"
+            )
 
     @classmethod
     def for_platform(cls, platform: str) -> ScoreBlockSizes:
@@ -147,6 +153,11 @@ def _pick_sublane(x, i):
     return jnp.sum(jnp.where(sub == i, x, 0), axis=0, keepdims=True)
 
 
+def _loop(n: int, body, init):
+    """fori_loop over range(n) with an int32 index (also under jax_enable_x64: Mosaic has no int64)."""
+    return lax.fori_loop(jnp.int32(0), jnp.int32(n), body, init)
+
+
 def _decay_factor(mask, A, seg):
     """exp(A seg) on causal entries, the exponent masked before exp (seg >= 0 there, A < 0)."""
     return jnp.exp(jnp.where(mask, A * seg, 0.0))
@@ -164,16 +175,18 @@ def _tpu_epilogue(method, acc_ref, hout_ref, rows, jpos, out_ref):
     ti, tj = out_ref.shape
     sub = lax.broadcasted_iota(jnp.int32, (ti, tj), 0)
 
+    if method == "alti":
+        hout_t, h_t = hout_ref[0].T, hout_ref[1].T  # (dt, ti): rows to lanes, once per tile
+
     def row(i, out):
         x = None
         if method == "alti":
-            hout = _pick_lane(hout_ref[0], i)  # (dt, 1)
-            h_i = _pick_lane(hout_ref[1], i)
-            x = hout - jnp.where(jpos == _pick_lane(rows, i), h_i, 0.0)  # (dt, tj)
+            h_i = _pick_lane(h_t, i)  # (dt, 1)
+            x = _pick_lane(hout_t, i) - jnp.where(jpos == _pick_lane(rows, i), h_i, 0.0)  # (dt, tj)
         part = _reduce_d(method, acc_ref[i], x, axis=0)[None, :]  # (1, tj)
         return jnp.where(sub == i, part, out)
 
-    out_ref[...] = lax.fori_loop(0, ti, row, jnp.zeros((ti, tj), f32))
+    out_ref[...] = _loop(ti, row, jnp.zeros((ti, tj), f32))
 
 
 def _m2_kernel_tpu(
@@ -181,7 +194,7 @@ def _m2_kernel_tpu(
 ):
     """Mamba-2 TPU tile. Blocks: rows (1, ti) positions (f32); a (K, ec, tj); w = W_out^T (dt, ec);
     g (ti, ec); src (hc, 3, K, tj) = shifted [Delta, hi, lo] per head; tgt (hc, 2, ti) = [hi, lo] of
-    the targets; ad (hc, 2, 1) = [A, D]; c (g, ti, n); b (g, K, n, tj) shifted B; [hout (2, dt, ti)];
+    the targets; ad (hc, 2, 1) = [A, D]; c (g, ti, n); b (g, K, n, tj) shifted B; [hout (2, ti, dt)];
     out (ti, tj); scratch acc (ti, dt, tj)."""
     method, K, hc, p, rep, prec = cfg
     out_ref, acc_ref = rest[-2], rest[-1]
@@ -200,11 +213,11 @@ def _m2_kernel_tpu(
     def _():
         heads = []
         for hh in range(hc):
-            grp = lax.div(ec * hc + hh, rep)
+            grp = lax.div(ec * hc + hh, jnp.int32(rep))
             C = c_ref[grp]  # (ti, n)
             cb = [_dot(C, b_ref[grp, k], prec) for k in range(K)]  # (ti, tj): C_i . B_{j+k}
             heads.append((cb, ad_ref[hh, 0:1, :], ad_ref[hh, 1:2, :], tgt_ref[hh]))
-        w, g = w_ref[...], g_ref[...]
+        g = g_ref[...]
 
         def row(i, carry):
             r_i = _pick_lane(rows, i)  # (1, 1)
@@ -220,10 +233,10 @@ def _m2_kernel_tpu(
                     pieces.append(jnp.broadcast_to(m, (p, tj)))
                 M = pieces[0] if hc == 1 else jnp.concatenate(pieces, axis=0)  # (ec, tj), per channel
                 X = X + M * a_ref[k]
-            acc_ref[i] += _dot(w * _pick_sublane(g, i), X, prec)  # (dt, tj)
+            acc_ref[i] += _dot(w_ref[...] * _pick_sublane(g, i), X, prec)  # (dt, tj): W^T scaled by G_i
             return carry
 
-        lax.fori_loop(0, ti, row, 0)
+        _loop(ti, row, 0)
 
     @pl.when(ec == pl.num_programs(4) - 1)
     def _():
@@ -235,7 +248,7 @@ def _m1_kernel_tpu(
 ):
     """Mamba-1 TPU tile. Blocks: rows (1, ti); a (K, ec, tj); w (dt, ec); g (ti, ec); src (3, K, ec, tj)
     = shifted [Delta, hi, lo] per channel; tgt (2, ec, ti); ad (ec, n + 1) = [A | D]; c (n, ti);
-    b (K, n, tj) shifted B; [hout (2, dt, ti)]; out (ti, tj); scratch acc (ti, dt, tj)."""
+    b (K, n, tj) shifted B; [hout (2, ti, dt)]; out (ti, tj); scratch acc (ti, dt, tj)."""
     method, K, n, prec = cfg
     out_ref, acc_ref = rest[-2], rest[-1]
     hout_ref = rest[0] if method == "alti" else None
@@ -254,7 +267,7 @@ def _m1_kernel_tpu(
         ad = ad_ref[...]
         A_cols = [_pick_lane(ad, q) for q in range(n)]  # n x (ec, 1)
         D = _pick_lane(ad, n)
-        w, g, c, tgt_hi, tgt_lo = w_ref[...], g_ref[...], c_ref[...], tgt_ref[0], tgt_ref[1]
+        g, c, tgt_hi, tgt_lo = g_ref[...], c_ref[...], tgt_ref[0], tgt_ref[1]
 
         def row(i, carry):
             r_i = _pick_lane(rows, i)
@@ -267,10 +280,10 @@ def _m1_kernel_tpu(
                 s = sum(cb[q : q + 1] * jnp.exp(A_cols[q] * seg) for q in range(n))
                 M = jnp.where(mask, s * src_ref[0, k], 0.0) + jnp.where(diag, D, 0.0)
                 X = X + M * a_ref[k]
-            acc_ref[i] += _dot(w * _pick_sublane(g, i), X, prec)
+            acc_ref[i] += _dot(w_ref[...] * _pick_sublane(g, i), X, prec)
             return carry
 
-        lax.fori_loop(0, ti, row, 0)
+        _loop(ti, row, 0)
 
     @pl.when(ec == pl.num_programs(4) - 1)
     def _():
@@ -311,7 +324,7 @@ def _m2_kernel_gpu(rows_ref, a_ref, w_ref, g_ref, src_ref, tgt_ref, ad_ref, c_re
     @pl.when(live)
     def _():
         def head(hd, acc):
-            grp = lax.div(hd, rep)
+            grp = lax.div(hd, jnp.int32(rep))
             C = c_ref[grp]  # (ti, n)
             one = pl.ds(hd, 1)
             A, D = ad_ref[0:1, one], ad_ref[1:2, one]  # (1, 1)
@@ -327,7 +340,7 @@ def _m2_kernel_gpu(rows_ref, a_ref, w_ref, g_ref, src_ref, tgt_ref, ad_ref, c_re
             V = X * g_ref[:, ch][:, None, :]  # (ti, tj, p)
             return acc + _dot(V.reshape(ti * tj, p), w_ref[ch, :], prec)
 
-        acc = lax.fori_loop(0, heads, head, jnp.zeros((ti * tj, dt), f32))
+        acc = _loop(heads, head, jnp.zeros((ti * tj, dt), f32))
         _gpu_store(method, acc, hout_ref, rcol, jpos, out_ref)
 
     @pl.when(jnp.logical_not(live))
@@ -371,7 +384,7 @@ def _m1_kernel_gpu(rows_ref, a_ref, w_ref, g_ref, src_ref, tgt_ref, ad_ref, c_re
             V = X * g_ref[:, ch][:, None, :]
             return acc + _dot(V.reshape(ti * tj, ec), w_ref[ch, :], prec)
 
-        acc = lax.fori_loop(0, n_chunks, chunk, jnp.zeros((ti * tj, dt), f32))
+        acc = _loop(n_chunks, chunk, jnp.zeros((ti * tj, dt), f32))
         _gpu_store(method, acc, hout_ref, rcol, jpos, out_ref)
 
     @pl.when(jnp.logical_not(live))
@@ -399,6 +412,15 @@ class _Prepared:
     C: jax.Array  # (b, rp, g, n) or (b, rp, n) at the target rows
     B: jax.Array  # (b, K, lp, g, n) or (b, K, lp, n) shifted
     hout: jax.Array | None  # (b, 2, rp, dp) [h + o, h] at the target rows (alti)
+
+
+def _spec(block_shape, index_map):
+    """A BlockSpec whose index map returns int32 (Python 0s would be int64 under jax_enable_x64)."""
+
+    def int32_map(*idx):
+        return tuple(jnp.asarray(v, jnp.int32) for v in index_map(*idx))
+
+    return pl.BlockSpec(block_shape, int32_map)
 
 
 def _shift_stack(x, K: int, lp: int):
@@ -461,35 +483,66 @@ def _tpu_channel_chunk(version: int, e: int, p: int, heads: int, want: int, inte
     return e
 
 
+_TPU_MAX_D = 1024
+
+
+def _tpu_d_tile(d: int) -> int:
+    """Whole d up to _TPU_MAX_D (the accumulator is ti x dt x tj fp32 in VMEM), else the largest
+    multiple of 128 dividing d below it (hout's d is a lane dimension), else d split evenly."""
+    if d <= _TPU_MAX_D:
+        return round_up(d, 8)
+    for dt in range(_TPU_MAX_D, 127, -128):
+        if d % dt == 0:
+            return dt
+    return round_up(-(-d // -(-d // _TPU_MAX_D)), 128)
+
+
 def _forward_tpu(f, method, rows, aux, bs: ScoreBlockSizes, interpret: bool):
     K, b, l, e = f.a.shape
     d = f.W_out.shape[1] if method != "logit" else 1
     r = rows.shape[0]
     ti = min(bs.rows, round_up(r, 8))
     tj = min(bs.cols, round_up(l, 8))
-    dt = round_up(d, 8) if bs.d is None else min(bs.d, round_up(d, 8))
+    dt = _tpu_d_tile(d) if bs.d is None else min(bs.d, round_up(d, 8))
     rp, lp, dp = round_up(r, ti), round_up(l, tj), round_up(d, dt)
     if not interpret:
-        for name, v, m, full in (("rows", ti, 8, rp), ("cols", tj, 128, lp), ("d", dt, 8, dp)):
+        for name, v, m, full in (("rows", ti, 8, rp), ("cols", tj, 128, lp), ("d", dt, 128, dp)):
             if v % m and v != full:
-                raise ValueError(f"TPU fused-score block {name}={v} must be a multiple of {m} or the whole axis")
+                raise ValueError(
+                    f"TPU fused-score block {name}={v} must be a multiple of {m} or the whole axis"
+                )
     x = _prepare(f, method, rows, aux, rp, lp, dp)
     heads = f.heads
     p, n = e // heads, f.B.shape[-1]
     ni, nj, nd = rp // ti, lp // tj, dp // dt
     prec = _precision(bs)
-    # last causal tile per target block (scalar-prefetched): skip + no new source DMA beyond it
+    if f.version == 2:
+        ec = _tpu_channel_chunk(2, e, p, heads, bs.e, interpret)
+    else:
+        ec = _tpu_channel_chunk(1, e, 1, e, bs.e, interpret)
+    ne = e // ec
+
+    # The last causal tile per target block is scalar-prefetched (tm). Tiles past it skip their work,
+    # and their index maps repeat the last live step's block indices, so they fetch nothing new.
     tmax = jnp.max(x.rows.reshape(ni, ti), axis=1)
-    jlast = lambda i, tm: jnp.maximum(lax.div(tm[i], jnp.int32(tj)), 0)  # noqa: E731
-    src_j = lambda i, j, tm: jnp.minimum(j, jlast(i, tm))  # noqa: E731
+
+    def live(i, j, tm):
+        return j * tj <= tm[i]
+
+    def src_j(i, j, tm):  # source block
+        return jnp.minimum(j, jnp.maximum(lax.div(tm[i], jnp.int32(tj)), 0))
+
+    def e_of(i, j, c, tm):  # e-chunk
+        return jnp.where(live(i, j, tm), c, ne - 1)
+
+    def d_of(i, j, dd, tm):  # d tile
+        return jnp.where(live(i, j, tm), dd, nd - 1)
 
     rows_t = x.rows.astype(f32).reshape(ni, 1, ti)
     a_t = jnp.swapaxes(x.a, 2, 3)  # (b, K, e, lp)
     W_t = x.W.T  # (dp, e)
     if f.version == 2:
-        rep = heads // x.C.shape[2]
-        ec = _tpu_channel_chunk(2, e, p, heads, bs.e, interpret)
-        hc = ec // p
+        hc, rep = ec // p, heads // x.C.shape[2]
         src = jnp.moveaxis(jnp.swapaxes(x.src, 3, 4), 3, 1)  # (b, h, 3, K, lp)
         tgt = _tile_t(x.tgt.transpose(0, 2, 3, 1), ti)  # (b, ni, h, 2, ti)
         ad = jnp.stack([x.A, x.D], axis=1)[..., None]  # (h, 2, 1)
@@ -498,15 +551,16 @@ def _forward_tpu(f, method, rows, aux, bs: ScoreBlockSizes, interpret: bool):
         g = C.shape[1]
         kernel = functools.partial(_m2_kernel_tpu, cfg=(method, K, hc, p, rep, prec))
         specs = [
-            pl.BlockSpec((_sq, hc, 3, K, tj), lambda bi, i, j, dd, c, tm: (bi, c, 0, 0, src_j(i, j, tm))),
-            pl.BlockSpec((_sq, _sq, hc, 2, ti), lambda bi, i, j, dd, c, tm: (bi, i, c, 0, 0)),
-            pl.BlockSpec((hc, 2, 1), lambda bi, i, j, dd, c, tm: (c, 0, 0)),
-            pl.BlockSpec((_sq, g, ti, n), lambda bi, i, j, dd, c, tm: (bi, 0, i, 0)),
-            pl.BlockSpec((_sq, g, K, n, tj), lambda bi, i, j, dd, c, tm: (bi, 0, 0, 0, src_j(i, j, tm))),
+            _spec(
+                (_sq, hc, 3, K, tj),
+                lambda bi, i, j, dd, c, tm: (bi, e_of(i, j, c, tm), 0, 0, src_j(i, j, tm)),
+            ),
+            _spec((_sq, _sq, hc, 2, ti), lambda bi, i, j, dd, c, tm: (bi, i, e_of(i, j, c, tm), 0, 0)),
+            _spec((hc, 2, 1), lambda bi, i, j, dd, c, tm: (e_of(i, j, c, tm), 0, 0)),
+            _spec((_sq, g, ti, n), lambda bi, i, j, dd, c, tm: (bi, 0, i, 0)),
+            _spec((_sq, g, K, n, tj), lambda bi, i, j, dd, c, tm: (bi, 0, 0, 0, src_j(i, j, tm))),
         ]
-        arrays = [src, tgt, ad, C, B]
     else:
-        ec = _tpu_channel_chunk(1, e, 1, e, bs.e, interpret)
         src = jnp.swapaxes(x.src, 3, 4)  # (b, 3, K, e, lp)
         tgt = _tile_t(jnp.moveaxis(x.tgt, 1, 2), ti)  # (b, ni, 2, e, ti)
         ad = jnp.concatenate([x.A, x.D[:, None]], axis=1)  # (e, n + 1)
@@ -514,26 +568,26 @@ def _forward_tpu(f, method, rows, aux, bs: ScoreBlockSizes, interpret: bool):
         B = jnp.swapaxes(x.B, 2, 3)  # (b, K, n, lp)
         kernel = functools.partial(_m1_kernel_tpu, cfg=(method, K, n, prec))
         specs = [
-            pl.BlockSpec((_sq, 3, K, ec, tj), lambda bi, i, j, dd, c, tm: (bi, 0, 0, c, src_j(i, j, tm))),
-            pl.BlockSpec((_sq, _sq, 2, ec, ti), lambda bi, i, j, dd, c, tm: (bi, i, 0, c, 0)),
-            pl.BlockSpec((ec, n + 1), lambda bi, i, j, dd, c, tm: (c, 0)),
-            pl.BlockSpec((_sq, _sq, n, ti), lambda bi, i, j, dd, c, tm: (bi, i, 0, 0)),
-            pl.BlockSpec((_sq, K, n, tj), lambda bi, i, j, dd, c, tm: (bi, 0, 0, src_j(i, j, tm))),
+            _spec(
+                (_sq, 3, K, ec, tj),
+                lambda bi, i, j, dd, c, tm: (bi, 0, 0, e_of(i, j, c, tm), src_j(i, j, tm)),
+            ),
+            _spec((_sq, _sq, 2, ec, ti), lambda bi, i, j, dd, c, tm: (bi, i, 0, e_of(i, j, c, tm), 0)),
+            _spec((ec, n + 1), lambda bi, i, j, dd, c, tm: (e_of(i, j, c, tm), 0)),
+            _spec((_sq, _sq, n, ti), lambda bi, i, j, dd, c, tm: (bi, i, 0, 0)),
+            _spec((_sq, K, n, tj), lambda bi, i, j, dd, c, tm: (bi, 0, 0, src_j(i, j, tm))),
         ]
-        arrays = [src, tgt, ad, C, B]
-    ne = e // ec
     in_specs = [
-        pl.BlockSpec((_sq, 1, ti), lambda bi, i, j, dd, c, tm: (i, 0, 0)),
-        pl.BlockSpec((_sq, K, ec, tj), lambda bi, i, j, dd, c, tm: (bi, 0, c, src_j(i, j, tm))),
-        pl.BlockSpec((dt, ec), lambda bi, i, j, dd, c, tm: (dd, c)),
-        pl.BlockSpec((_sq, ti, ec), lambda bi, i, j, dd, c, tm: (bi, i, c)),
+        _spec((_sq, 1, ti), lambda bi, i, j, dd, c, tm: (i, 0, 0)),
+        _spec((_sq, K, ec, tj), lambda bi, i, j, dd, c, tm: (bi, 0, e_of(i, j, c, tm), src_j(i, j, tm))),
+        _spec((dt, ec), lambda bi, i, j, dd, c, tm: (d_of(i, j, dd, tm), e_of(i, j, c, tm))),
+        _spec((_sq, ti, ec), lambda bi, i, j, dd, c, tm: (bi, i, e_of(i, j, c, tm))),
         *specs,
     ]
-    arrays = [rows_t, a_t, W_t, x.G, *arrays]
+    arrays = [rows_t, a_t, W_t, x.G, src, tgt, ad, C, B]
     if method == "alti":
-        hout = _tile_t(jnp.moveaxis(x.hout, 2, 1), ti)  # (b, ni, 2, dp, ti)
-        in_specs.append(pl.BlockSpec((_sq, _sq, 2, dt, ti), lambda bi, i, j, dd, c, tm: (bi, i, 0, dd, 0)))
-        arrays.append(hout)
+        in_specs.append(_spec((_sq, 2, ti, dt), lambda bi, i, j, dd, c, tm: (bi, 0, i, d_of(i, j, dd, tm))))
+        arrays.append(x.hout)
     params_cls = pltpu.CompilerParams if hasattr(pltpu, "CompilerParams") else pltpu.TPUCompilerParams
     out = pl.pallas_call(
         kernel,
@@ -542,7 +596,7 @@ def _forward_tpu(f, method, rows, aux, bs: ScoreBlockSizes, interpret: bool):
             num_scalar_prefetch=1,
             grid=(b, ni, nj, nd, ne),
             in_specs=in_specs,
-            out_specs=pl.BlockSpec((_sq, _sq, ti, tj), lambda bi, i, j, dd, c, tm: (bi, dd, i, j)),
+            out_specs=_spec((_sq, _sq, ti, tj), lambda bi, i, j, dd, c, tm: (bi, dd, i, j)),
             scratch_shapes=[pltpu.VMEM((ti, dt, tj), f32)],
         ),
         compiler_params=params_cls(
@@ -583,51 +637,57 @@ def _forward_gpu(f, method, rows, aux, bs: ScoreBlockSizes, interpret: bool):
         B = jnp.moveaxis(x.B, 3, 1)  # (b, g, K, lp, n)
         kernel = functools.partial(_m2_kernel_gpu, cfg=(method, K, heads, p, rep, prec))
         specs = [
-            pl.BlockSpec((_sq, 3, K, heads, tj), lambda bi, i, j, dd: (bi, 0, 0, 0, j)),
-            pl.BlockSpec((_sq, 2, ti, heads), lambda bi, i, j, dd: (bi, 0, i, 0)),
-            pl.BlockSpec((2, heads), lambda bi, i, j, dd: (0, 0)),
-            pl.BlockSpec((_sq, g, ti, n), lambda bi, i, j, dd: (bi, 0, i, 0)),
-            pl.BlockSpec((_sq, g, K, tj, n), lambda bi, i, j, dd: (bi, 0, 0, j, 0)),
+            _spec((_sq, 3, K, heads, tj), lambda bi, i, j, dd: (bi, 0, 0, 0, j)),
+            _spec((_sq, 2, ti, heads), lambda bi, i, j, dd: (bi, 0, i, 0)),
+            _spec((2, heads), lambda bi, i, j, dd: (0, 0)),
+            _spec((_sq, g, ti, n), lambda bi, i, j, dd: (bi, 0, i, 0)),
+            _spec((_sq, g, K, tj, n), lambda bi, i, j, dd: (bi, 0, 0, j, 0)),
         ]
         arrays = [src, x.tgt, ad, C, B]
         ep = e
     else:
         ep = round_up(e, ec)  # zero channels contribute nothing (a = G = W = 0)
-        pad_e = lambda t, axis: jnp.pad(t, [(0, ep - e if ax == axis % t.ndim else 0) for ax in range(t.ndim)])  # noqa: E731
-        a, W, G = pad_e(a, -1), pad_e(W, 0), pad_e(G, -1)
-        src, tgt = pad_e(x.src, -1), pad_e(x.tgt, -1)
-        ad = pad_e(jnp.concatenate([x.A.T, x.D[None]], axis=0), -1)  # (n + 1, ep)
+        a, W, G = _pad_to(a, -1, ep), _pad_to(W, 0, ep), _pad_to(G, -1, ep)
+        src, tgt = _pad_to(x.src, -1, ep), _pad_to(x.tgt, -1, ep)
+        ad = _pad_to(jnp.concatenate([x.A.T, x.D[None]], axis=0), -1, ep)  # (n + 1, ep)
         B = jnp.swapaxes(x.B, 2, 3)  # (b, K, n, lp)
         kernel = functools.partial(_m1_kernel_gpu, cfg=(method, K, n, ec, ep // ec, prec))
         specs = [
-            pl.BlockSpec((_sq, 3, K, tj, ep), lambda bi, i, j, dd: (bi, 0, 0, j, 0)),
-            pl.BlockSpec((_sq, 2, ti, ep), lambda bi, i, j, dd: (bi, 0, i, 0)),
-            pl.BlockSpec((n + 1, ep), lambda bi, i, j, dd: (0, 0)),
-            pl.BlockSpec((_sq, ti, n), lambda bi, i, j, dd: (bi, i, 0)),
-            pl.BlockSpec((_sq, K, n, tj), lambda bi, i, j, dd: (bi, 0, 0, j)),
+            _spec((_sq, 3, K, tj, ep), lambda bi, i, j, dd: (bi, 0, 0, j, 0)),
+            _spec((_sq, 2, ti, ep), lambda bi, i, j, dd: (bi, 0, i, 0)),
+            _spec((n + 1, ep), lambda bi, i, j, dd: (0, 0)),
+            _spec((_sq, ti, n), lambda bi, i, j, dd: (bi, i, 0)),
+            _spec((_sq, K, n, tj), lambda bi, i, j, dd: (bi, 0, 0, j)),
         ]
         arrays = [src, tgt, ad, x.C, B]
     in_specs = [
-        pl.BlockSpec((ti,), lambda bi, i, j, dd: (i,)),
-        pl.BlockSpec((_sq, K, tj, ep), lambda bi, i, j, dd: (bi, 0, j, 0)),
-        pl.BlockSpec((ep, dt), lambda bi, i, j, dd: (0, dd)),
-        pl.BlockSpec((_sq, ti, ep), lambda bi, i, j, dd: (bi, i, 0)),
+        _spec((ti,), lambda bi, i, j, dd: (i,)),
+        _spec((_sq, K, tj, ep), lambda bi, i, j, dd: (bi, 0, j, 0)),
+        _spec((ep, dt), lambda bi, i, j, dd: (0, dd)),
+        _spec((_sq, ti, ep), lambda bi, i, j, dd: (bi, i, 0)),
         *specs,
     ]
     arrays = [x.rows, a, W, G, *arrays]
     if method == "alti":
-        in_specs.append(pl.BlockSpec((_sq, 2, ti, dt), lambda bi, i, j, dd: (bi, 0, i, dd)))
+        in_specs.append(_spec((_sq, 2, ti, dt), lambda bi, i, j, dd: (bi, 0, i, dd)))
         arrays.append(x.hout)
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((b, nd, rp, lp), f32),
         grid=(b, ni, nj, nd),
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((_sq, _sq, ti, tj), lambda bi, i, j, dd: (bi, dd, i, j)),
+        out_specs=_spec((_sq, _sq, ti, tj), lambda bi, i, j, dd: (bi, dd, i, j)),
         compiler_params=gpu_compiler_params(bs.num_warps),
         interpret=interpret,
     )(*arrays)
     return out, x
+
+
+def _pad_to(x, axis: int, size: int):
+    """Zero-pad one axis of x up to ``size``."""
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, pad)
 
 
 def _finish(method, partial, x: _Prepared, rows, length: int):
@@ -676,7 +736,14 @@ _fused_custom_vjp.defvjp(_fused_fwd, _fused_bwd)
 
 
 def fused_layer_scores(
-    f, method: str, rows, *, aux=None, block_sizes: ScoreBlockSizes | None = None, platform=None, interpret=None
+    f,
+    method: str,
+    rows,
+    *,
+    aux=None,
+    block_sizes: ScoreBlockSizes | None = None,
+    platform=None,
+    interpret=None,
 ):
     """Unnormalised scores (b, len(rows), l) of one layer, fp32, T never materialised.
 

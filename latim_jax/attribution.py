@@ -98,7 +98,8 @@ def attribute(
       mask: optional (B, L) bool of valid positions (padding on the right); masked rows/columns are 0.
       target: vocabulary entries for "logit"/"grad_input": None (the model's own prediction at each
         position), an int, or ints (B, L).
-      impl: scan implementation ("auto", "xla", "pallas").
+      impl: "auto" (Pallas kernels on TPU/GPU, XLA on CPU), "xla", or "pallas" (the scan kernels and the
+        fused score kernel; interpret mode on CPU).
       blocks: block sizes of the memory-bounded path.
 
     Returns an :class:`Attribution` whose ``scores`` are (B, n_layers, R, L) float32. Pure JAX: works
@@ -194,11 +195,11 @@ def _attribute(model, tokens, rows, targets, method, mode, layers, impl, blocks,
             continue
         f = layer_factors(model, h, layer, mode, impl=impl)
         aux = jnp.einsum("bld,ed->ble", direction, f.W_out) if method == "logit" else None
-        scores.append(layer_scores(f, method, rows, blocks=blocks, aux=aux))
+        scores.append(layer_scores(f, method, rows, blocks=blocks, aux=aux, impl=impl))
         if method == "logit":
             bias_terms.append(jnp.einsum("bld,bld->bl", f.bias, direction)[:, rows])
             if whole:
-                alti.append(layer_scores(f, "alti", rows, blocks=blocks))
+                alti.append(layer_scores(f, "alti", rows, blocks=blocks, impl=impl))
         if mode == "paper" and method != "hidden_attention":
             rec = token_sum(f, jnp.arange(f.length), blocks=blocks) + f.bias
             rel = jnp.linalg.norm(rec - f.output, axis=-1) / jnp.linalg.norm(f.output, axis=-1)

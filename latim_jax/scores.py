@@ -24,6 +24,8 @@ import jax.numpy as jnp
 
 from latim_jax.decomposition import LayerFactors, pair_values
 from latim_jax.hidden_attention import hidden_attention_block
+from latim_jax.kernels import fused_scores
+from latim_jax.kernels.dispatch import use_pallas
 from latim_jax.layers import f32
 
 LATIM_METHODS = ("l2", "l1", "alti", "logit")
@@ -108,10 +110,17 @@ def blocked(fn, rows, length, blocks: Blocks, out_tail=()):
     return res[:, :r, :length]
 
 
-def layer_scores(f: LayerFactors, method: str, rows, *, blocks: Blocks | None = None, aux=None):
-    """Scores (b, len(rows), l) of one layer; alti rows are normalised to sum 1."""
-    blocks = blocks or Blocks.for_layer(f.version, f.length)
-    s = blocked(lambda rb, j0: pair_score(f, method, rb, j0, blocks.cols, aux), rows, f.length, blocks)
+def layer_scores(f: LayerFactors, method: str, rows, *, blocks: Blocks | None = None, aux=None, impl="xla"):
+    """Scores (b, len(rows), l) of one layer; alti rows are normalised to sum 1.
+
+    ``impl``: "xla" = the blocked pure-JAX path; "pallas" = the fused kernel (kernels/fused_scores.py,
+    interpret mode on CPU) for l2/l1/alti/logit; "auto" = the kernel on TPU/GPU, XLA elsewhere.
+    """
+    if use_pallas(impl) and method in fused_scores.METHODS:
+        s = fused_scores.fused_layer_scores(f, method, rows, aux=aux)
+    else:
+        blocks = blocks or Blocks.for_layer(f.version, f.length)
+        s = blocked(lambda rb, j0: pair_score(f, method, rb, j0, blocks.cols, aux), rows, f.length, blocks)
     if method == "alti":
         s = normalise_alti(s, rows)
     return s
