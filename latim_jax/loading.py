@@ -8,18 +8,12 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
+from latim_jax.convert.orbax_io import TOKENIZER_FILES
 from latim_jax.model import MambaLM
 
 ASSETS = Path(__file__).parent / "assets"
 SHIPPED = ("copy-mamba1", "copy-mamba2")
 DEFAULT_MODEL = "copy-mamba2"
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-)
 
 
 def shipped_path(name: str) -> Path:
