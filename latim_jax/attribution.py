@@ -30,8 +30,8 @@ class Contributions:
 
 
 def _layer_input(model, tokens, layer, impl):
+    """The residual stream entering ``layer`` (already validated by :func:`_check_layer`)."""
     model.check_tokens(tokens)
-    _check_layer(model, layer)
     return model.forward(tokens, impl=impl).residuals[layer]
 
 

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from latim_jax.layers import f32
+from latim_jax.scores import safe_norm
 
 
 def logits_from_layer(model, h, layer: int, *, impl="auto"):
@@ -31,7 +32,6 @@ def grad_input_scores(model, h, layer: int, rows, targets, *, impl="auto"):
         cot = jnp.zeros((b, length, vocab), f32).at[:, i].set(onehot)
         (g,) = vjp(cot)
         gx = g * h
-        sq = jnp.sum(gx * gx, -1)
-        return jnp.where(sq == 0, 0.0, jnp.sqrt(jnp.where(sq == 0, 1.0, sq)))  # (b, l)
+        return safe_norm(gx, -1)  # (b, l)
 
     return jnp.moveaxis(jax.lax.map(one_row, rows), 0, 1)

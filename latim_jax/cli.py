@@ -56,6 +56,7 @@ def default_prompt(model, seed: int = 0) -> list[int]:
 
 
 def cmd_convert(args):
+    """`latim-jax convert`: read any supported checkpoint, write latim-jax's orbax format."""
     from latim_jax.convert import read_checkpoint, save_checkpoint
     from latim_jax.loading import resolve
 
@@ -66,6 +67,7 @@ def cmd_convert(args):
 
 
 def cmd_check(args):
+    """`latim-jax check`: compare logits and hidden states with transformers."""
     from latim_jax.check import check_model
 
     try:
@@ -89,6 +91,7 @@ def cmd_check(args):
 
 
 def cmd_attribute(args):
+    """`latim-jax attribute`: scores for one prompt, saved as .npz (+ PNG / HTML)."""
     import latim_jax
     from latim_jax.plotting import heatmap_grid, html_view
 
@@ -132,6 +135,7 @@ def cmd_attribute(args):
 
 
 def cmd_generate(args):
+    """`latim-jax generate`: print a greedy or sampled continuation's ids."""
     import latim_jax
     from latim_jax.generate import generate
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import tempfile
@@ -126,18 +127,10 @@ class Attribution:
 
 
 def write_npz_atomic(path, arrays: dict) -> None:
-    """np.savez to a temporary file beside ``path``, then rename: no half-written file is ever left."""
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npz", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            np.savez(fh, **arrays)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    """np.savez into memory, then :func:`write_bytes_atomic`: no half-written file is ever left."""
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    write_bytes_atomic(path, buf.getvalue())
 
 
 def write_bytes_atomic(path, data: bytes) -> None:

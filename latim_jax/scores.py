@@ -47,7 +47,7 @@ class Blocks:
         return cls(rows=size, cols=size)
 
 
-def _safe_norm(x, axis):
+def safe_norm(x, axis):
     """||x||_2 with a finite gradient at 0."""
     sq = jnp.sum(x * x, axis=axis)
     zero = sq == 0  # NaN is not zero: it propagates, so non-finite inputs are reported
@@ -66,7 +66,7 @@ def pair_score(f: LayerFactors, method: str, rows, j0, width, aux=None):
         return jnp.einsum("brje,bre->brj", V, aux[:, rows])
     T = jnp.einsum("brje,ed->brjd", V, f.W_out)
     if method == "l2":
-        return _safe_norm(T, -1)
+        return safe_norm(T, -1)
     if method == "l1":
         return jnp.sum(jnp.abs(T), axis=-1)
     if method == "alti":
