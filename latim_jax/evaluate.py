@@ -56,8 +56,9 @@ def aggregate(result) -> np.ndarray:
     return (s / np.where(total > 0, total, 1.0)).sum(1)
 
 
-def copy_accuracy(model, batch) -> float:
-    """Exact-match accuracy of the model's greedy prediction on the scored rows."""
+def task_accuracy(model, batch) -> float:
+    """Exact-match accuracy of the model's greedy prediction on the scored rows (the copied tokens for
+    copy, the answers for MQAR)."""
     pred = np.asarray(model(batch.tokens)).argmax(-1)
     rows = batch.loss_mask
     return float((pred[rows] == batch.targets[rows]).mean())
@@ -75,7 +76,10 @@ def evaluate(
 ) -> dict:
     """Metrics of every method (per layer, best layer, aggregate) plus a random baseline.
 
-    Returns a JSON-safe dict: {"task", "n_sequences", "accuracy", "rows": {column: {...}}, "definitions"}.
+    Returns a JSON-safe dict: {"task", "model", "version", "activation", "n_sequences", "seed",
+    "accuracy", "rows": {column: {...}}, "approximation_error", "definitions"}. "approximation_error" is
+    the paper mode's mean relative error E per layer over the held-out sequences (None when no
+    paper-mode method ran).
     """
     import latim_jax
 
@@ -86,15 +90,21 @@ def evaluate(
     batch = held_out(task, n_sequences, seed)
     n_layers = model.config.n_layers
     maps = {name: {"layers": [[] for _ in range(n_layers)], "aggregate": []} for name, _, _ in methods}
+    approx = []  # per batch: (n_layers,) paper-mode E times the batch's number of sequences
     for start in range(0, n_sequences, batch_size):
         toks = batch.tokens[start : start + batch_size]
         targets = batch.targets[start : start + batch_size]
+        batch_approx = None
         for name, method, mode in methods:
             res = latim_jax.attribute(model, toks, method=method, mode=mode or "exact", target=targets)
             s = np.asarray(res.scores)
             for layer in range(n_layers):
                 maps[name]["layers"][layer].append(s[:, layer])
             maps[name]["aggregate"].append(aggregate(res))
+            if "approximation_error" in res.extra:  # the same for every paper-mode method
+                batch_approx = np.asarray(res.extra["approximation_error"]) * len(toks)
+        if batch_approx is not None:
+            approx.append(batch_approx)
     rows = {}
     for name, _, _ in methods:
         per_layer = [_score(np.concatenate(m), batch.gold, ks) for m in maps[name]["layers"]]
@@ -105,16 +115,18 @@ def evaluate(
             "best": per_layer[best],
             "aggregate": _score(np.concatenate(maps[name]["aggregate"]), batch.gold, ks),
         }
-    _, labels, valid = metrics.gold_rows(np.zeros(batch.gold.shape + (batch.gold.shape[1],)), batch.gold)
+    labels, valid = metrics.gold_labels(batch.gold)
     rows["random"] = {"aggregate": metrics.random_baseline(labels, valid, ks, seed=seed)}
     return {
         "task": task,
         "model": getattr(model, "source", ""),
         "version": model.config.version,
+        "activation": model.config.activation,
         "n_sequences": n_sequences,
         "seed": seed,
-        "accuracy": copy_accuracy(model, batch),
+        "accuracy": task_accuracy(model, batch),
         "rows": rows,
+        "approximation_error": (np.sum(approx, 0) / n_sequences).tolist() if approx else None,
         "definitions": __doc__.strip(),
     }
 
@@ -133,7 +145,8 @@ def format_table(report: dict) -> str:
     v = report["version"]
     lines = [
         f"Task {report['task']['name']} ({report['n_sequences']} held-out sequences, seed {report['seed']}), "
-        f"Mamba-{v} model {report['model']!r}: copy accuracy {report['accuracy']:.3f}",
+        f"Mamba-{v} model {report['model']!r} ({report.get('activation', 'silu')}): {report['task']['name']} "
+        f"accuracy {report['accuracy']:.3f}",
         "",
         "| method | AUC best layer (layer) | AUC aggregate | AP aggregate | R@1 aggregate | R@5 aggregate "
         "| AUC pooled (agg.) | paper AUC |",
@@ -143,7 +156,7 @@ def format_table(report: dict) -> str:
     for name, row in report["rows"].items():
         agg = row["aggregate"]
         best = f"{row['best']['auc']:.3f} ({row['best_layer']})" if "best" in row else "-"
-        paper = PAPER_AUC.get((v, name.split(" (")[0]))
+        paper = PAPER_AUC.get((v, name.split(" (")[0])) if report["task"]["name"] == "copy" else None
         lines.append(
             f"| {name} | {best} | {agg['auc']:.3f} | {agg['ap']:.3f} | {agg.get('recall@1', nan):.3f} "
             f"| {agg.get('recall@5', nan):.3f} | {agg['auc_pooled']:.3f} | "
@@ -153,16 +166,95 @@ def format_table(report: dict) -> str:
         "",
         "AUC: per-row Mann-Whitney AUC of the gold source among candidates j <= i, averaged over rows; "
         "pooled AUC: over all rows' candidates together. Aggregate: rollout for alti/hidden attention/logit, "
-        "sum of row-normalised maps for l2/grad x input. Paper AUC: latim-math.md section 7.",
+        "sum of row-normalised maps for l2/grad x input. Paper AUC: latim-math.md section 7 (copy only).",
+    ]
+    if report.get("approximation_error"):
+        errs = ", ".join(f"{e:.3f}" for e in report["approximation_error"])
+        lines.append(f"Paper-mode approximation error E per layer (docs: latim-math.md section 3): {errs}.")
+    return "\n".join(lines)
+
+
+LATIM_METHODS = tuple(m for m in METHODS if m[2] is not None)
+
+
+def compare_activations(
+    models: dict,
+    task: dict | None = None,
+    *,
+    n_sequences: int = 64,
+    batch_size: int = 16,
+    seed: int = 10_000,
+    conservation_sequences: int = 16,
+) -> dict:
+    """The paper's exact-by-retraining route beside exact mode: evaluate models trained on the same task
+    with different post-conv activations (e.g. {"silu": ..., "relu": ..., "identity": ...}) on the same
+    held-out sequences, LaTIM methods in both modes. ``task`` defaults to the first model's task.
+
+    Per model: the :func:`evaluate` report (accuracy, per-method AUCs, paper-mode approximation error E
+    per layer) plus "conservation": the exact mode's worst relative reconstruction error over layers
+    (:func:`latim_jax.attribution.conservation_error` on the first ``conservation_sequences``).
+    """
+    from latim_jax.attribution import conservation_error
+
+    if not models:
+        raise ValueError("compare_activations needs at least one model")
+    task = task or next(iter(models.values())).task  # one task for all: the same held-out sequences
+    out = {}
+    for label, model in models.items():
+        report = evaluate(
+            model, task, n_sequences=n_sequences, batch_size=batch_size, seed=seed, methods=LATIM_METHODS
+        )
+        toks = held_out(report["task"], n_sequences, seed).tokens[:conservation_sequences]
+        report["conservation"] = max(
+            conservation_error(model, toks, layer, "exact") for layer in range(model.config.n_layers)
+        )
+        out[label] = report
+    return out
+
+
+def format_activation_table(reports: dict) -> str:
+    """Markdown table of :func:`compare_activations`: one row per model, best-layer AUC per method and
+    mode, exact-mode conservation and paper-mode approximation error per layer."""
+    methods = [m for m, _, mode in LATIM_METHODS if mode == "exact"]
+    head = " | ".join(f"{m.split(' (')[0]} AUC exact / paper" for m in methods)
+    lines = [
+        f"| model | activation | accuracy | exact conservation | paper E per layer | {head} |",
+        "|---" * (5 + len(methods)) + "|",
+    ]
+    for label, r in reports.items():
+        cells = []
+        for m in methods:
+            paper = m.replace("(exact)", "(paper)")
+            cells.append(f"{_best(r, m)} / {_best(r, paper)}")
+        errs = ", ".join(f"{e:.3f}" for e in r["approximation_error"] or [])
+        lines.append(
+            f"| {label} | {r['activation']} | {r['accuracy']:.3f} | {r['conservation']:.1e} | {errs} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    first = next(iter(reports.values()))
+    lines += [
+        "",
+        f"Task {first['task']['name']}, {first['n_sequences']} held-out sequences (seed {first['seed']}). "
+        "AUC: per-row AUC of the gold source at the best single layer (layer in brackets). Exact "
+        "conservation: max over layers of max_i ||sum_j T_i(x_j) + beta_i - o_i|| / max_i ||o_i||. Paper E: "
+        "mean_i ||o_i - b_out - sum_j T_i(x_j)|| / ||o_i|| (latim-math.md section 3).",
     ]
     return "\n".join(lines)
+
+
+def _best(report, column):
+    row = report["rows"][column]
+    return f"{row['best']['auc']:.3f} ({row['best_layer']})"
 
 
 def add_evaluate_parser(sub) -> None:
     """Register ``latim-jax evaluate TASK`` on the CLI's subparsers."""
     p = sub.add_parser("evaluate", help="attribution quality on a task with known gold sources")
     p.add_argument("task", choices=("copy", "mqar"))
-    p.add_argument("--model", default=None, help="default: the shipped copy model of --version")
+    p.add_argument(
+        "--model", default=None, help="default: the shipped model for TASK of --version (copy-mamba2, ...)"
+    )
     p.add_argument("--version", type=int, default=2, choices=(1, 2))
     p.add_argument("--n", type=int, default=64, help="held-out sequences")
     p.add_argument("--batch-size", type=int, default=16)
@@ -176,7 +268,7 @@ def _cmd_evaluate(args) -> None:
     import latim_jax
     from latim_jax.results import write_bytes_atomic
 
-    model = latim_jax.load(args.model or f"copy-mamba{args.version}")
+    model = latim_jax.load(args.model or f"{args.task}-mamba{args.version}")
     task = model.task
     if not task or task.get("name") != args.task:
         raise SystemExit(

@@ -37,11 +37,19 @@ def gold_rows(attributions: np.ndarray, gold: np.ndarray):
     """
     attributions, gold = np.asarray(attributions, float), np.asarray(gold)
     bi, ii = np.nonzero(gold >= 0)
-    L = attributions.shape[-1]
-    scores = attributions[bi, ii]
+    labels, valid = gold_labels(gold)
+    return attributions[bi, ii], labels, valid
+
+
+def gold_labels(gold: np.ndarray):
+    """The (labels, valid) half of :func:`gold_rows` without maps: (r, l) bool each, rows in the
+    order of ``np.nonzero(gold >= 0)``."""
+    gold = np.asarray(gold)
+    bi, ii = np.nonzero(gold >= 0)
+    L = gold.shape[-1]
     labels = np.arange(L)[None, :] == gold[bi, ii][:, None]
     valid = np.arange(L)[None, :] <= ii[:, None]
-    return scores, labels, valid
+    return labels, valid
 
 
 def _tie_stats(scores, labels, valid, rows):

@@ -1,0 +1,90 @@
+"""latim_jax.evaluate on tiny random models: report structure, the batched paper-mode error equals the
+direct one, the activation comparison's exactness numbers, and `latim-jax evaluate` end to end."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import latim_jax
+from latim_jax import evaluate as ev
+from latim_jax import tasks
+from latim_jax import train as tr
+from latim_jax.cli import main
+from latim_jax.config import MambaConfig
+from latim_jax.init import init_params
+from latim_jax.model import MambaLM
+
+MQAR = tasks.mqar_task(vocab_size=24, n_keys=8, min_pairs=2, max_pairs=4, num_queries=2)
+COPY = tasks.copy_task(vocab_size=24, sep_id=0, min_len=2, max_len=5)
+
+
+def tiny(version=2, activation="silu", seed=0, task=COPY):
+    cfg = MambaConfig(
+        version=version, d_model=16, n_layers=2, vocab_size=24, d_state=4, d_conv=4, head_dim=8,
+        chunk_size=8, activation=activation, conv_bias=True,
+    )  # fmt: skip
+    model = MambaLM(cfg, init_params(cfg, seed))
+    model.task = task
+    model.source = f"tiny-{activation}"
+    return model
+
+
+@pytest.mark.parametrize("task", [COPY, MQAR], ids=["copy", "mqar"])
+def test_report_structure_and_random_baseline(task):
+    model = tiny(task=task)
+    methods = [("LaTIM l2 (exact)", "l2", "exact"), ("LaTIM l2 (paper)", "l2", "paper")]
+    report = ev.evaluate(model, n_sequences=12, batch_size=5, methods=methods)
+    assert set(report["rows"]) == {"LaTIM l2 (exact)", "LaTIM l2 (paper)", "random"}
+    for name, _, _ in methods:
+        row = report["rows"][name]
+        assert len(row["layers"]) == 2 and row["best"] == row["layers"][row["best_layer"]]
+        assert 0.0 <= row["aggregate"]["auc"] <= 1.0
+    assert 0.3 < report["rows"]["random"]["aggregate"]["auc"] < 0.7
+    assert 0.0 <= report["accuracy"] <= 1.0 and report["activation"] == "silu"
+    json.dumps(report)  # JSON-safe
+    table = ev.format_table(report)
+    assert f"Task {task['name']}" in table and "approximation error E per layer" in table
+    if task["name"] == "mqar":  # the paper reports copy numbers only
+        assert all(line.endswith("| - |") for line in table.splitlines() if line.startswith("| LaTIM"))
+
+
+def test_batched_approximation_error_is_the_mean_over_sequences():
+    model = tiny()
+    report = ev.evaluate(model, n_sequences=10, batch_size=4, methods=[("p", "alti", "paper")])
+    toks = ev.held_out(COPY, 10, 10_000).tokens
+    per_seq = [
+        np.asarray(latim_jax.attribute(model, toks[k : k + 1], "alti", "paper").extra["approximation_error"])
+        for k in range(10)
+    ]
+    np.testing.assert_allclose(report["approximation_error"], np.mean(per_seq, 0), rtol=1e-5)
+    assert min(report["approximation_error"]) > 1e-3  # SiLU: the paper mode is approximate
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_compare_activations_identity_makes_paper_mode_exact(version):
+    models = {"silu": tiny(version, "silu"), "identity": tiny(version, "identity", seed=1)}
+    reports = ev.compare_activations(models, n_sequences=6, batch_size=6, conservation_sequences=3)
+    assert reports["silu"]["conservation"] < 1e-5 and reports["identity"]["conservation"] < 1e-5
+    assert max(reports["identity"]["approximation_error"]) < 1e-5
+    assert min(reports["silu"]["approximation_error"]) > 1e-3
+    table = ev.format_activation_table(reports)
+    assert table.count("\n| silu | silu |") == 1 and "| identity | identity |" in table
+    with pytest.raises(ValueError, match="at least one model"):
+        ev.compare_activations({})
+
+
+def test_cli_evaluate_mqar_model(tmp_path, capsys):
+    tc = tr.TrainConfig(
+        model=tiny().config, task=MQAR, steps=2, batch_size=4, eval_every=2, eval_size=8, warmup_steps=1
+    )
+    ckpt = tr.save_trained(tmp_path / "mqar", tr.train(tc, log=None), tc)
+    md, js = tmp_path / "t.md", tmp_path / "t.json"
+    argv = ["evaluate", "mqar", "--model", str(ckpt), "--n", "4", "--markdown", str(md), "--out", str(js)]
+    assert main(argv) == 0
+    assert "Task mqar (4 held-out sequences" in md.read_text()
+    assert json.loads(js.read_text())["task"]["name"] == "mqar"
+    with pytest.raises(SystemExit, match="not trained on the copy task"):
+        main(["evaluate", "copy", "--model", str(ckpt), "--n", "4"])
