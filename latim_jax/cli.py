@@ -44,11 +44,18 @@ def token_labels(model, ids) -> list[str]:
 
 
 def default_prompt(model, seed: int = 0) -> list[int]:
-    """A copy-task prompt for shipped models: content tokens, SEP, then the copy."""
+    """A prompt of the model's task for shipped models. copy: 10 content tokens, SEP, then the copy;
+    mqar: one MQAR sequence (key-value pairs, then queries with their answers) drawn with ``seed``."""
     task = model.task
-    if not task or "sep_id" not in task:
+    if not task or task.get("name") not in ("copy", "mqar"):
         raise SystemExit("error: this model has no task; pass --tokens or --text")
     rng = np.random.default_rng(seed)
+    if task["name"] == "mqar":
+        from latim_jax import tasks
+
+        keys = ("name", "vocab_size", "n_keys", "min_pairs", "max_pairs", "num_queries", "pad_id")
+        batch = tasks.make_batch({k: task[k] for k in keys if k in task}, 1, rng)
+        return [int(t) for t in batch.tokens[0, : batch.lengths[0]]]
     n = int(min(task["max_len"], max(task["min_len"], 10)))
     content = [t for t in range(task["vocab_size"]) if t != task["sep_id"]]
     seq = list(rng.choice(content, size=n))

@@ -73,8 +73,13 @@ def evaluate(
     seed: int = 10_000,
     methods=METHODS,
     ks=(1, 5),
+    gold: str = "key",
 ) -> dict:
     """Metrics of every method (per layer, best layer, aggregate) plus a random baseline.
+
+    ``gold`` (MQAR only): "key" ranks the queried key's earlier position (the task's gold), "value"
+    the position of the answer token itself (key + 1, :func:`latim_jax.tasks.value_sources`). Copy has
+    one gold (the original position of the copied token) and accepts only the default.
 
     Returns a JSON-safe dict: {"task", "model", "version", "activation", "n_sequences", "seed",
     "accuracy", "rows": {column: {...}}, "approximation_error", "definitions"}. "approximation_error" is
@@ -87,7 +92,10 @@ def evaluate(
     if not task or task.get("name") not in _TASK_KEYS:
         raise ValueError(f"evaluate needs a copy or mqar task: the model has {task!r} (pass task=...)")
     task = tasks.check_task({k: v for k, v in task.items() if k in _TASK_KEYS[task["name"]]})
+    if gold not in ("key", "value") or (gold == "value" and task["name"] != "mqar"):
+        raise ValueError(f"gold must be 'key' (or 'value' for mqar), found {gold!r} for {task['name']}")
     batch = held_out(task, n_sequences, seed)
+    gold_pos = tasks.value_sources(batch.gold) if gold == "value" else batch.gold
     n_layers = model.config.n_layers
     maps = {name: {"layers": [[] for _ in range(n_layers)], "aggregate": []} for name, _, _ in methods}
     approx = []  # per batch: (n_layers,) paper-mode E times the batch's number of sequences
@@ -107,15 +115,15 @@ def evaluate(
             approx.append(batch_approx)
     rows = {}
     for name, _, _ in methods:
-        per_layer = [_score(np.concatenate(m), batch.gold, ks) for m in maps[name]["layers"]]
+        per_layer = [_score(np.concatenate(m), gold_pos, ks) for m in maps[name]["layers"]]
         best = max(range(n_layers), key=lambda k: _nan_to(per_layer[k]["auc"], -1.0))
         rows[name] = {
             "layers": per_layer,
             "best_layer": best,
             "best": per_layer[best],
-            "aggregate": _score(np.concatenate(maps[name]["aggregate"]), batch.gold, ks),
+            "aggregate": _score(np.concatenate(maps[name]["aggregate"]), gold_pos, ks),
         }
-    labels, valid = metrics.gold_labels(batch.gold)
+    labels, valid = metrics.gold_labels(gold_pos)
     rows["random"] = {"aggregate": metrics.random_baseline(labels, valid, ks, seed=seed)}
     return {
         "task": task,
@@ -124,6 +132,7 @@ def evaluate(
         "activation": model.config.activation,
         "n_sequences": n_sequences,
         "seed": seed,
+        "gold": gold if task["name"] == "mqar" else "copy source",
         "accuracy": task_accuracy(model, batch),
         "rows": rows,
         "approximation_error": (np.sum(approx, 0) / n_sequences).tolist() if approx else None,
@@ -146,7 +155,8 @@ def format_table(report: dict) -> str:
     lines = [
         f"Task {report['task']['name']} ({report['n_sequences']} held-out sequences, seed {report['seed']}), "
         f"Mamba-{v} model {report['model']!r} ({report.get('activation', 'silu')}): {report['task']['name']} "
-        f"accuracy {report['accuracy']:.3f}",
+        f"accuracy {report['accuracy']:.3f}"
+        + (f"; gold source: the {report['gold']} position" if report["task"]["name"] == "mqar" else ""),
         "",
         "| method | AUC best layer (layer) | AUC aggregate | AP aggregate | R@1 aggregate | R@5 aggregate "
         "| AUC pooled (agg.) | paper AUC |",
@@ -259,6 +269,12 @@ def add_evaluate_parser(sub) -> None:
     p.add_argument("--n", type=int, default=64, help="held-out sequences")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=10_000)
+    p.add_argument(
+        "--gold",
+        default="key",
+        choices=("key", "value"),
+        help="mqar: rank the queried key's position (default) or the answer token's position (key + 1)",
+    )
     p.add_argument("--out", default=None, help="write the full report as JSON")
     p.add_argument("--markdown", default=None, help="write the table as markdown")
     p.set_defaults(func=_cmd_evaluate)
@@ -274,7 +290,12 @@ def _cmd_evaluate(args) -> None:
         raise SystemExit(
             f"error: model {model.source!r} was not trained on the {args.task} task (task: {task})"
         )
-    report = evaluate(model, task, n_sequences=args.n, batch_size=args.batch_size, seed=args.seed)
+    try:
+        report = evaluate(
+            model, task, n_sequences=args.n, batch_size=args.batch_size, seed=args.seed, gold=args.gold
+        )
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from err
     table = format_table(report)
     print(table)
     if args.out:

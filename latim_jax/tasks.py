@@ -15,8 +15,9 @@ copy:  [c_0 .. c_{m-1}, SEP, c_0 .. c_{m-1}, PAD ...], m uniform in [min_len, ma
 mqar:  [k_1 v_1 .. k_P v_P, q_1 a_1 .. q_Q a_Q, PAD ...]: P key-value pairs (P uniform in
        [min_pairs, max_pairs], keys distinct), then Q = min(num_queries, P) distinct keys each followed
        by its value. Rows are the query positions (their next token is the value); gold j = the
-       position of the same key in the pair section (its value sits at j + 1). Keys are ids
-       [1, 1 + n_keys), values [1 + n_keys, vocab_size); id 0 is padding.
+       position of the same key in the pair section (its value sits at j + 1; ``value_sources``
+       gives that alternative gold). Keys are ids [1, 1 + n_keys), values [1 + n_keys, vocab_size);
+       id 0 is padding.
 """
 
 from __future__ import annotations
@@ -173,6 +174,17 @@ def mqar_gold_sources(tokens: np.ndarray, rows: np.ndarray) -> np.ndarray:
     j = np.argmax(same & earlier, axis=2)
     found = (same & earlier).any(axis=2)
     return np.where(np.asarray(rows) & found, j, -1).astype(np.int32)
+
+
+def value_sources(gold: np.ndarray) -> np.ndarray:
+    """MQAR's alternative gold: the position of the answer token itself (key position + 1), -1 kept.
+
+    The key position is the task's gold (where the queried key occurred); a model that solves MQAR with
+    its short convolution typically reads the answer at the value position, whose conv window holds
+    both the key and the value (measured on the trained models: see README, "MQAR").
+    """
+    gold = np.asarray(gold)
+    return np.where(gold >= 0, gold + 1, -1).astype(np.int32)
 
 
 def _finish(tokens: np.ndarray, gold: np.ndarray, *, lengths) -> Batch:

@@ -10,7 +10,7 @@ import pytest
 
 import latim_jax
 from latim_jax import evaluate as ev
-from latim_jax import tasks
+from latim_jax import metrics, tasks
 from latim_jax import train as tr
 from latim_jax.cli import main
 from latim_jax.config import MambaConfig
@@ -51,6 +51,21 @@ def test_report_structure_and_random_baseline(task):
         assert all(line.endswith("| - |") for line in table.splitlines() if line.startswith("| LaTIM"))
 
 
+def test_mqar_value_gold_is_the_key_position_plus_one():
+    # a hand-made map that puts all weight on j = key + 1: perfect under gold="value", not under "key"
+    batch = ev.held_out(MQAR, 8, 10_000)
+    value = tasks.value_sources(batch.gold)
+    assert ((value == batch.gold + 1) | (batch.gold < 0)).all() and (value[batch.gold < 0] == -1).all()
+    assert (np.take_along_axis(batch.tokens, np.maximum(value, 0), 1) == batch.targets)[batch.gold >= 0].all()
+    onehot = np.arange(batch.tokens.shape[1])[None, None, :] == np.maximum(value, 0)[..., None]
+    s, lab, val = metrics.gold_rows(onehot.astype(float), value)
+    assert metrics.summarize(s, lab, val)["auc"] == 1.0
+    s, lab, val = metrics.gold_rows(onehot.astype(float), batch.gold)
+    assert metrics.summarize(s, lab, val)["recall@1"] == 0.0
+    with pytest.raises(ValueError, match="gold must be"):
+        ev.evaluate(tiny(), n_sequences=2, gold="value")  # copy has one gold
+
+
 def test_batched_approximation_error_is_the_mean_over_sequences():
     model = tiny()
     report = ev.evaluate(model, n_sequences=10, batch_size=4, methods=[("p", "alti", "paper")])
@@ -86,5 +101,8 @@ def test_cli_evaluate_mqar_model(tmp_path, capsys):
     assert main(argv) == 0
     assert "Task mqar (4 held-out sequences" in md.read_text()
     assert json.loads(js.read_text())["task"]["name"] == "mqar"
+    assert main(argv + ["--gold", "value"]) == 0
+    report = json.loads(js.read_text())
+    assert report["gold"] == "value" and "the value position" in md.read_text()
     with pytest.raises(SystemExit, match="not trained on the copy task"):
         main(["evaluate", "copy", "--model", str(ckpt), "--n", "4"])
