@@ -85,10 +85,7 @@ def blocked(fn, rows, length, blocks: Blocks, out_tail=()):
 
     Returns (b, len(rows), length, *out_tail); blocks above the diagonal are not computed.
     """
-    r = rows.shape[0]
-    n_rb = -(-r // blocks.rows)
     n_cb = -(-length // blocks.cols)
-    rows_p = jnp.concatenate([rows, jnp.full((n_rb * blocks.rows - r,), rows[-1], rows.dtype)])
 
     def row_block(rb):
         rmax = jnp.max(rb)
@@ -104,10 +101,18 @@ def blocked(fn, rows, length, blocks: Blocks, out_tail=()):
         out = jnp.moveaxis(out, 0, 2)  # (b, br, n_cb, bc, ...)
         return out.reshape(out.shape[0], out.shape[1], n_cb * blocks.cols, *out_tail)
 
-    res = jax.lax.map(row_block, rows_p.reshape(n_rb, blocks.rows))  # (n_rb, b, br, cols, ...)
+    return map_row_blocks(row_block, rows, blocks)[:, :, :length]
+
+
+def map_row_blocks(row_fn, rows, blocks: Blocks):
+    """row_fn(rows_block) -> (b, block_rows, ...) over ``rows`` in blocks of ``blocks.rows`` (the last
+    block padded by repeating its final row); returns (b, len(rows), ...)."""
+    r = rows.shape[0]
+    n_rb = -(-r // blocks.rows)
+    rows_p = jnp.concatenate([rows, jnp.full((n_rb * blocks.rows - r,), rows[-1], rows.dtype)])
+    res = jax.lax.map(row_fn, rows_p.reshape(n_rb, blocks.rows))  # (n_rb, b, br, ...)
     res = jnp.moveaxis(res, 0, 1)
-    res = res.reshape(res.shape[0], n_rb * blocks.rows, n_cb * blocks.cols, *out_tail)
-    return res[:, :r, :length]
+    return res.reshape(res.shape[0], n_rb * blocks.rows, *res.shape[3:])[:, :r]
 
 
 def layer_scores(f: LayerFactors, method: str, rows, *, blocks: Blocks | None = None, aux=None, impl="xla"):
@@ -137,10 +142,7 @@ def normalise_alti(s, rows):
 def token_sum(f: LayerFactors, rows, *, blocks: Blocks | None = None):
     """sum_j T_i(x_j) for i in rows, accumulated block by block: (b, r, d)."""
     blocks = blocks or Blocks.for_layer(f.version, f.length)
-    r = rows.shape[0]
-    n_rb = -(-r // blocks.rows)
     n_cb = -(-f.length // blocks.cols)
-    rows_p = jnp.concatenate([rows, jnp.full((n_rb * blocks.rows - r,), rows[-1], rows.dtype)])
 
     def row_block(rb):
         def add(acc, j0):
@@ -153,8 +155,7 @@ def token_sum(f: LayerFactors, rows, *, blocks: Blocks | None = None):
 
         acc0 = jnp.zeros((f.G.shape[0], blocks.rows, f.G.shape[-1]), f32)
         acc, _ = jax.lax.scan(add, acc0, jnp.arange(n_cb) * blocks.cols)
-        return acc
+        return acc  # (b, br, e)
 
-    V = jax.lax.map(row_block, rows_p.reshape(n_rb, blocks.rows))  # (n_rb, b, br, e)
-    V = jnp.moveaxis(V, 0, 1).reshape(f.G.shape[0], n_rb * blocks.rows, -1)[:, :r]
+    V = map_row_blocks(row_block, rows, blocks)  # (b, r, e)
     return jnp.einsum("bre,ed->brd", V, f.W_out)
