@@ -12,12 +12,12 @@ from latim_jax.convert.orbax_io import TOKENIZER_FILES
 from latim_jax.model import MambaLM
 
 ASSETS = Path(__file__).parent / "assets"
-SHIPPED = ("copy-mamba1", "copy-mamba2")
+SHIPPED = ("copy-mamba1", "copy-mamba2", "mqar-mamba2")
 DEFAULT_MODEL = "copy-mamba2"
 
 
 def shipped_path(name: str) -> Path:
-    """The directory of a model shipped inside the package ("copy-mamba1" or "copy-mamba2")."""
+    """The directory of a model shipped inside the package (one of ``SHIPPED``)."""
     if name not in SHIPPED:
         raise ValueError(f"unknown shipped model {name!r}; shipped models are {SHIPPED}")
     path = ASSETS / name
@@ -47,7 +47,8 @@ def load(source: str | os.PathLike | None = None, dtype=None) -> MambaLM:
     """Load a Mamba-1 or Mamba-2 model as a :class:`~latim_jax.model.MambaLM`.
 
     Args:
-      source: None (the shipped Mamba-2 copy-task model), "copy-mamba1" / "copy-mamba2", a local
+      source: None (the shipped Mamba-2 copy-task model), a shipped name ("copy-mamba1",
+        "copy-mamba2": the copy task; "mqar-mamba2": multi-query associative recall), a local
         directory in Hugging Face, mamba_ssm or Codestral format or written by ``latim-jax convert``,
         or a hub id such as "state-spaces/mamba-130m-hf" (needs network access).
       dtype: parameter dtype ("float32", "bfloat16", or a jnp dtype); default: as stored.

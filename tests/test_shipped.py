@@ -1,4 +1,4 @@
-"""The shipped copy-task models: they load, reach their recorded accuracy, and LaTIM finds the copy."""
+"""The shipped models (copy, MQAR): they load, reach their recorded accuracy, and LaTIM finds the source."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 import latim_jax
 from latim_jax import tasks
 from latim_jax.evaluate import PAPER_AUC, evaluate, task_accuracy
+from latim_jax.loading import SHIPPED as SHIPPED_MODELS
 
 # name -> (version, the method the paper reports best for it)
 SHIPPED = {"copy-mamba1": (1, "alti"), "copy-mamba2": (2, "l2")}
@@ -37,3 +38,27 @@ def test_default_model_is_mamba2():
         from latim_jax.loading import shipped_path
 
         shipped_path("copy-mamba3")
+
+
+MQAR_SHIPPED = sorted(n for n in SHIPPED_MODELS if n.startswith("mqar"))
+
+
+@pytest.mark.parametrize("name", MQAR_SHIPPED)
+def test_shipped_mqar_model_recalls_and_latim_finds_the_value(name, tmp_path):
+    model = latim_jax.load(name)
+    task = model.task
+    assert task["name"] == "mqar" and model.config.version == int(name[-1])
+    keys = ("name", "vocab_size", "n_keys", "min_pairs", "max_pairs", "num_queries")
+    batch = tasks.make_batch({k: task[k] for k in keys}, 128, np.random.default_rng(123))
+    assert task_accuracy(model, batch) >= task["final_token_accuracy"] - 0.03
+    # the answer is read at the value position (key + 1): exact-mode l2 ranks it first in some layer
+    column = "LaTIM l2 (exact)"
+    report = evaluate(model, n_sequences=16, batch_size=16, methods=[(column, "l2", "exact")], gold="value")
+    assert report["rows"][column]["best"]["auc"] >= 0.95
+    # the CLI's default prompt for an MQAR model is one MQAR sequence
+    from latim_jax.cli import default_prompt, main
+
+    prompt = default_prompt(model)
+    assert len(prompt) % 2 == 0 and prompt[0] in range(1, 1 + task["n_keys"])
+    assert main(["attribute", "--model", name, "--method", "l2", "--out", str(tmp_path / "m.npz")]) == 0
+    assert latim_jax.Attribution.load(tmp_path / "m.npz").tokens.shape == (1, len(prompt))
