@@ -37,7 +37,8 @@ class LayerFactors:
     a: (K, b, l, e) per-source tap values; G: (b, l, e); W_out: (e, d);
     A, D, delta, B, C, decay: the hidden-attention inputs (see latim_jax.hidden_attention);
     bias: (b, l, d) the non-token term beta; output: (b, l, d) the mixer output o; h: (b, l, d) the
-    residual stream entering the layer.
+    residual stream entering the layer; token_total: (b, l, d) sum_j T_i(x_j) for every i, from one scan
+    (:func:`token_total`), so reconstruction errors cost O(l) rather than O(l^2).
     """
 
     version: int = dataclasses.field(metadata=dict(static=True))
@@ -55,6 +56,7 @@ class LayerFactors:
     bias: jax.Array
     output: jax.Array
     h: jax.Array
+    token_total: jax.Array
 
     @property
     def length(self) -> int:
@@ -105,6 +107,7 @@ def layer_factors(model, h, layer: int, mode: str = "exact", *, impl: str = "aut
         )
     A = mixer.A
     return LayerFactors(
+        token_total=token_total(mixer, inter, a, W_out, impl),
         version=cfg.version,
         mode=mode,
         heads=cfg.n_heads if cfg.version == 2 else e,
@@ -121,6 +124,19 @@ def layer_factors(model, h, layer: int, mode: str = "exact", *, impl: str = "aut
         output=mixer.output(inter),
         h=h.astype(f32),
     )
+
+
+def token_total(mixer, inter, a, W_out, impl):
+    """sum_j T_i(x_j) for every target i, (b, l, d), in O(l): the pair sum regrouped by t = j + k,
+
+        sum_j sum_k M_{i,j+k} a_k[j] = sum_{t<=i} M_{i,t} v_t,   v_t = sum_k a_k[t-k]  (t - k >= 0),
+
+    is the layer's own scan over v (M includes the D term), then the gate and W_out. In exact mode it
+    equals o_i - beta_i; in paper mode the gap to o_i - beta_i is the approximation error.
+    """
+    K, _, length, _ = a.shape
+    v = sum(jnp.pad(a[k], ((0, 0), (k, 0), (0, 0)))[:, :length] for k in range(K))
+    return linear(value_scan(mixer, inter, v, impl) * inter.G, W_out)
 
 
 def value_scan(mixer, inter, v, impl):

@@ -94,6 +94,7 @@ def prefix(f: LayerFactors, length: int) -> LayerFactors:
         bias=cut(f.bias),
         output=cut(f.output),
         h=cut(f.h),
+        token_total=cut(f.token_total),
     )
 
 
@@ -133,7 +134,7 @@ def test_vmap_over_prompts_equals_loop():
     rows = jnp.asarray([6, 1, 4])
     axes = LayerFactors(
         version=f.version, mode=f.mode, heads=f.heads, a=1, G=0, W_out=None, A=None, D=None, delta=0,
-        B=0, C=0, decay=Decay(0, 0), bias=0, output=0, h=0,
+        B=0, C=0, decay=Decay(0, 0), bias=0, output=0, h=0, token_total=0,
     )  # fmt: skip
     one = lambda g: jax.tree.map(lambda x, ax: x if ax is None else jnp.expand_dims(x, ax), g, axes)  # noqa: E731
     run = jax.jit(lambda g: fused_layer_scores(one(g), "l2", rows, block_sizes=SMALL)[0])
@@ -192,6 +193,7 @@ def synthetic_factors(version: int, *, b=1, l=256, d=256, e=256, n=16, heads=4, 
         version=version, mode="exact", heads=c, a=arr(K, b, l, e), G=arr(b, l, e), W_out=arr(e, d),
         A=-jnp.abs(arr(heads) if version == 2 else arr(e, n)), D=arr(c), delta=delta, B=arr(*bc),
         C=arr(*bc), decay=compensated_cumsum(delta), bias=arr(b, l, d), output=arr(b, l, d), h=arr(b, l, d),
+        token_total=arr(b, l, d),
     )  # fmt: skip
 
 
