@@ -1,14 +1,14 @@
 """Regenerate the task-evaluation tables recorded in benchmarks/ (and quoted in the README).
 
-Usage: python benchmarks/task_evals.py [--only copy mqar activations] [--n 128]
+Usage: python benchmarks/task_evals.py [--only copy mqar variants] [--versions 1 2] [--n 128]
                                        [--variants DIR]
 
 copy:        the shipped copy models, every method -> copy_eval_mamba{1,2}.{md,json}
 mqar:        the shipped MQAR models, gold = the key position and the value position
              -> mqar_eval_mamba{v}_{key,value}.{md,json}
-activations: the shipped SiLU copy model beside the ReLU / identity models trained from
-             configs/copy-mamba{v}-{relu,identity}.json into DIR/copy-mamba{v}-{relu,identity}
-             (python scripts/train_copy.py CONFIG DIR/NAME) -> activations_mamba{v}.{md,json}
+variants:    the shipped SiLU mimetic copy model beside the ReLU / identity / default-init models
+             trained from configs/copy-mamba{v}-{relu,identity,default}.json into DIR/<config name>
+             (python scripts/train_copy.py CONFIG DIR/NAME) -> variants_mamba{v}.{md,json}
 
 All on the same held-out sequences (seed 10000); each file is written atomically.
 """
@@ -35,11 +35,12 @@ def _write(stem: str, table: str, report) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", nargs="+", default=["copy", "mqar", "activations"])
+    parser.add_argument("--only", nargs="+", default=["copy", "mqar", "variants"])
     parser.add_argument("--n", type=int, default=128, help="held-out sequences")
-    parser.add_argument("--variants", default=None, help="directory holding the ReLU / identity models")
+    parser.add_argument("--versions", type=int, nargs="+", default=[1, 2], choices=(1, 2))
+    parser.add_argument("--variants", default=None, help="directory holding the variant models")
     args = parser.parse_args(argv)
-    for v in (1, 2):
+    for v in args.versions:
         if "copy" in args.only:
             model = latim_jax.load(f"copy-mamba{v}")
             report = ev.evaluate(model, n_sequences=args.n)
@@ -49,16 +50,16 @@ def main(argv=None) -> None:
             for gold in ("key", "value"):
                 report = ev.evaluate(model, n_sequences=args.n, gold=gold)
                 _write(f"mqar_eval_mamba{v}_{gold}", ev.format_table(report), report)
-        if "activations" in args.only:
+        if "variants" in args.only:
             if args.variants is None:
-                parser.error("activations needs --variants DIR (the trained ReLU / identity models)")
+                parser.error("variants needs --variants DIR (the trained variant models)")
             models = {f"copy-mamba{v}": latim_jax.load(f"copy-mamba{v}")}
-            for act in ("relu", "identity"):
-                path = Path(args.variants) / f"copy-mamba{v}-{act}"
-                models[f"copy-mamba{v}-{act}"] = latim_jax.load(path)
-                models[f"copy-mamba{v}-{act}"].source = path.name
-            reports = ev.compare_activations(models, n_sequences=args.n)
-            _write(f"activations_mamba{v}", ev.format_activation_table(reports), reports)
+            for variant in ("relu", "identity", "default"):
+                path = Path(args.variants) / f"copy-mamba{v}-{variant}"
+                models[path.name] = latim_jax.load(path)
+                models[path.name].source = path.name
+            reports = ev.compare_models(models, n_sequences=args.n)
+            _write(f"variants_mamba{v}", ev.format_comparison_table(reports), reports)
 
 
 if __name__ == "__main__":

@@ -187,7 +187,7 @@ def format_table(report: dict) -> str:
 LATIM_METHODS = tuple(m for m in METHODS if m[2] is not None)
 
 
-def compare_activations(
+def compare_models(
     models: dict,
     task: dict | None = None,
     *,
@@ -196,9 +196,10 @@ def compare_activations(
     seed: int = 10_000,
     conservation_sequences: int = 16,
 ) -> dict:
-    """The paper's exact-by-retraining route beside exact mode: evaluate models trained on the same task
-    with different post-conv activations (e.g. {"silu": ..., "relu": ..., "identity": ...}) on the same
-    held-out sequences, LaTIM methods in both modes. ``task`` defaults to the first model's task.
+    """Models trained on one task side by side, on the same held-out sequences, LaTIM methods in both
+    modes: e.g. the SiLU model beside its ReLU / identity retrainings (the paper's exact-by-retraining
+    route, against exact mode without retraining) or mimetic vs default initialisation. ``models``
+    maps a label to a model; ``task`` defaults to the first model's task.
 
     Per model: the :func:`evaluate` report (accuracy, per-method AUCs, paper-mode approximation error E
     per layer) plus "conservation": the exact mode's worst relative reconstruction error over layers
@@ -207,7 +208,7 @@ def compare_activations(
     from latim_jax.attribution import conservation_error
 
     if not models:
-        raise ValueError("compare_activations needs at least one model")
+        raise ValueError("compare_models needs at least one model")
     task = task or next(iter(models.values())).task  # one task for all: the same held-out sequences
     out = {}
     for label, model in models.items():
@@ -218,18 +219,19 @@ def compare_activations(
         report["conservation"] = max(
             conservation_error(model, toks, layer, "exact") for layer in range(model.config.n_layers)
         )
+        report["init"] = (getattr(model, "task", None) or {}).get("training", {}).get("init", "-")
         out[label] = report
     return out
 
 
-def format_activation_table(reports: dict) -> str:
-    """Markdown table of :func:`compare_activations`: one row per model, best-layer AUC per method and
-    mode, exact-mode conservation and paper-mode approximation error per layer."""
+def format_comparison_table(reports: dict) -> str:
+    """Markdown table of :func:`compare_models`: one row per model (activation, training init), its
+    accuracy, best-layer AUC per method and mode, exact-mode conservation and paper-mode error E."""
     methods = [m for m, _, mode in LATIM_METHODS if mode == "exact"]
     head = " | ".join(f"{m.split(' (')[0]} AUC exact / paper" for m in methods)
     lines = [
-        f"| model | activation | accuracy | exact conservation | paper E per layer | {head} |",
-        "|---" * (5 + len(methods)) + "|",
+        f"| model | activation | init | accuracy | exact conservation | paper E per layer | {head} |",
+        "|---" * (6 + len(methods)) + "|",
     ]
     for label, r in reports.items():
         cells = []
@@ -238,9 +240,8 @@ def format_activation_table(reports: dict) -> str:
             cells.append(f"{_best(r, m)} / {_best(r, paper)}")
         errs = ", ".join(f"{e:.3f}" for e in r["approximation_error"] or [])
         lines.append(
-            f"| {label} | {r['activation']} | {r['accuracy']:.3f} | {r['conservation']:.1e} | {errs} | "
-            + " | ".join(cells)
-            + " |"
+            f"| {label} | {r['activation']} | {r['init']} | {r['accuracy']:.3f} | "
+            f"{r['conservation']:.1e} | {errs} | " + " | ".join(cells) + " |"
         )
     first = next(iter(reports.values()))
     lines += [

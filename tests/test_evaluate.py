@@ -79,16 +79,16 @@ def test_batched_approximation_error_is_the_mean_over_sequences():
 
 
 @pytest.mark.parametrize("version", [1, 2])
-def test_compare_activations_identity_makes_paper_mode_exact(version):
+def test_compare_models_identity_makes_paper_mode_exact(version):
     models = {"silu": tiny(version, "silu"), "identity": tiny(version, "identity", seed=1)}
-    reports = ev.compare_activations(models, n_sequences=6, batch_size=6, conservation_sequences=3)
+    reports = ev.compare_models(models, n_sequences=6, batch_size=6, conservation_sequences=3)
     assert reports["silu"]["conservation"] < 1e-5 and reports["identity"]["conservation"] < 1e-5
     assert max(reports["identity"]["approximation_error"]) < 1e-5
     assert min(reports["silu"]["approximation_error"]) > 1e-3
-    table = ev.format_activation_table(reports)
-    assert table.count("\n| silu | silu |") == 1 and "| identity | identity |" in table
+    table = ev.format_comparison_table(reports)
+    assert table.count("\n| silu | silu | - |") == 1 and "| identity | identity | - |" in table
     with pytest.raises(ValueError, match="at least one model"):
-        ev.compare_activations({})
+        ev.compare_models({})
 
 
 def test_cli_evaluate_mqar_model(tmp_path, capsys):
