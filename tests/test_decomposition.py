@@ -19,6 +19,9 @@ TOL = {"T": 2e-5, "score": 2e-5, "conservation": 1e-5}
 VARIANTS = {
     "m1": dict(version=1, d_state=4, d_conv=4, use_bias=True, tied=False),
     "m2g2": dict(version=2, d_state=4, d_conv=3, head_dim=4, n_groups=2),
+    # the ReLU route of the paper (s_t = [c_t > 0]): transformers applies hidden_act after the conv
+    "m1relu": dict(version=1, d_state=4, d_conv=4, act="relu"),
+    "m2relu": dict(version=2, d_state=4, d_conv=3, head_dim=4, n_groups=1, act="relu"),
 }
 L = 7
 

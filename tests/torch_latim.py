@@ -54,8 +54,11 @@ def _act(act, c):
     return {"silu": F.silu(c), "relu": F.relu(c), "identity": c}[act]
 
 
-def decompose_layer(mixer, xhat, act="silu", mode="exact"):
-    """T (L, L, d), bias (L, d), output (L, d) for one prompt's mixer input xhat (L, d), float64."""
+def decompose_layer(mixer, xhat, act=None, mode="exact"):
+    """T (L, L, d), bias (L, d), output (L, d) for one prompt's mixer input xhat (L, d), float64.
+
+    act: the post-conv activation; default the mixer's own (transformers' ``hidden_act``)."""
+    act = act or mixer.activation
     d64 = lambda t: None if t is None else t.detach().double()  # noqa: E731
     x = xhat.double()
     W_in, W_out = d64(mixer.in_proj.weight), d64(mixer.out_proj.weight)
@@ -147,8 +150,9 @@ def decompose_layer(mixer, xhat, act="silu", mode="exact"):
     return T, bias, out
 
 
-def hidden_attention(mixer, xhat, act="silu"):
+def hidden_attention(mixer, xhat, act=None):
     """Ali et al.'s hidden attention averaged over channels/heads, without the D term: (L, L)."""
+    act = act or mixer.activation
     x = xhat.double()
     d64 = lambda t: t.detach().double()  # noqa: E731
     proj = x @ d64(mixer.in_proj.weight).T + (0 if mixer.in_proj.bias is None else d64(mixer.in_proj.bias))
