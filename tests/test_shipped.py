@@ -41,6 +41,7 @@ def test_default_model_is_mamba2():
 
 
 MQAR_SHIPPED = sorted(n for n in SHIPPED_MODELS if n.startswith("mqar"))
+MQAR_BEST = {"mqar-mamba1": ("alti", 0.9), "mqar-mamba2": ("l2", 0.95)}  # method, AUC floor
 
 
 @pytest.mark.parametrize("name", MQAR_SHIPPED)
@@ -51,10 +52,12 @@ def test_shipped_mqar_model_recalls_and_latim_finds_the_value(name, tmp_path):
     keys = ("name", "vocab_size", "n_keys", "min_pairs", "max_pairs", "num_queries")
     batch = tasks.make_batch({k: task[k] for k in keys}, 128, np.random.default_rng(123))
     assert task_accuracy(model, batch) >= task["final_token_accuracy"] - 0.03
-    # the answer is read at the value position (key + 1): exact-mode l2 ranks it first in some layer
-    column = "LaTIM l2 (exact)"
-    report = evaluate(model, n_sequences=16, batch_size=16, methods=[(column, "l2", "exact")], gold="value")
-    assert report["rows"][column]["best"]["auc"] >= 0.95
+    # the answer is read at the value position (key + 1); recorded (128 sequences, benchmarks/
+    # mqar_eval_*_value.md): Mamba-2 l2 1.000 (layer 0), Mamba-1 alti 0.950 (layer 1)
+    method, floor = MQAR_BEST[name]
+    column = f"LaTIM {method} (exact)"
+    report = evaluate(model, n_sequences=16, batch_size=16, methods=[(column, method, "exact")], gold="value")
+    assert report["rows"][column]["best"]["auc"] >= floor
     # the CLI's default prompt for an MQAR model is one MQAR sequence
     from latim_jax.cli import default_prompt, main
 
