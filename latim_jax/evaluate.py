@@ -195,6 +195,7 @@ def compare_models(
     batch_size: int = 16,
     seed: int = 10_000,
     conservation_sequences: int = 16,
+    methods=LATIM_METHODS,
 ) -> dict:
     """Models trained on one task side by side, on the same held-out sequences, LaTIM methods in both
     modes: e.g. the SiLU model beside its ReLU / identity retrainings (the paper's exact-by-retraining
@@ -213,7 +214,7 @@ def compare_models(
     out = {}
     for label, model in models.items():
         report = evaluate(
-            model, task, n_sequences=n_sequences, batch_size=batch_size, seed=seed, methods=LATIM_METHODS
+            model, task, n_sequences=n_sequences, batch_size=batch_size, seed=seed, methods=methods
         )
         toks = held_out(report["task"], n_sequences, seed).tokens[:conservation_sequences]
         report["conservation"] = max(
@@ -227,7 +228,8 @@ def compare_models(
 def format_comparison_table(reports: dict) -> str:
     """Markdown table of :func:`compare_models`: one row per model (activation, training init), its
     accuracy, best-layer AUC per method and mode, exact-mode conservation and paper-mode error E."""
-    methods = [m for m, _, mode in LATIM_METHODS if mode == "exact"]
+    first = next(iter(reports.values()))
+    methods = [name for name in first["rows"] if name.endswith("(exact)")]
     head = " | ".join(f"{m.split(' (')[0]} AUC exact / paper" for m in methods)
     lines = [
         f"| model | activation | init | accuracy | exact conservation | paper E per layer | {head} |",
@@ -237,13 +239,12 @@ def format_comparison_table(reports: dict) -> str:
         cells = []
         for m in methods:
             paper = m.replace("(exact)", "(paper)")
-            cells.append(f"{_best(r, m)} / {_best(r, paper)}")
+            cells.append(f"{_best(r, m)} / {_best(r, paper) if paper in r['rows'] else '-'}")
         errs = ", ".join(f"{e:.3f}" for e in r["approximation_error"] or [])
         lines.append(
             f"| {label} | {r['activation']} | {r['init']} | {r['accuracy']:.3f} | "
             f"{r['conservation']:.1e} | {errs} | " + " | ".join(cells) + " |"
         )
-    first = next(iter(reports.values()))
     lines += [
         "",
         f"Task {first['task']['name']}, {first['n_sequences']} held-out sequences (seed {first['seed']}). "
@@ -276,6 +277,13 @@ def add_evaluate_parser(sub) -> None:
         choices=("key", "value"),
         help="mqar: rank the queried key's position (default) or the answer token's position (key + 1)",
     )
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=None,
+        choices=sorted({m for _, m, _ in METHODS}),
+        help="only these methods (default: all, both modes)",
+    )
     p.add_argument("--out", default=None, help="write the full report as JSON")
     p.add_argument("--markdown", default=None, help="write the table as markdown")
     p.set_defaults(func=_cmd_evaluate)
@@ -292,8 +300,15 @@ def _cmd_evaluate(args) -> None:
             f"error: model {model.source!r} was not trained on the {args.task} task (task: {task})"
         )
     try:
+        methods = METHODS if args.methods is None else [m for m in METHODS if m[1] in args.methods]
         report = evaluate(
-            model, task, n_sequences=args.n, batch_size=args.batch_size, seed=args.seed, gold=args.gold
+            model,
+            task,
+            n_sequences=args.n,
+            batch_size=args.batch_size,
+            seed=args.seed,
+            gold=args.gold,
+            methods=methods,
         )
     except ValueError as err:
         raise SystemExit(f"error: {err}") from err

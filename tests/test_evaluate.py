@@ -81,7 +81,8 @@ def test_batched_approximation_error_is_the_mean_over_sequences():
 @pytest.mark.parametrize("version", [1, 2])
 def test_compare_models_identity_makes_paper_mode_exact(version):
     models = {"silu": tiny(version, "silu"), "identity": tiny(version, "identity", seed=1)}
-    reports = ev.compare_models(models, n_sequences=6, batch_size=6, conservation_sequences=3)
+    l2 = [("LaTIM l2 (exact)", "l2", "exact"), ("LaTIM l2 (paper)", "l2", "paper")]
+    reports = ev.compare_models(models, n_sequences=6, batch_size=6, conservation_sequences=3, methods=l2)
     assert reports["silu"]["conservation"] < 1e-5 and reports["identity"]["conservation"] < 1e-5
     assert max(reports["identity"]["approximation_error"]) < 1e-5
     assert min(reports["silu"]["approximation_error"]) > 1e-3
@@ -98,9 +99,12 @@ def test_cli_evaluate_mqar_model(tmp_path, capsys):
     ckpt = tr.save_trained(tmp_path / "mqar", tr.train(tc, log=None), tc)
     md, js = tmp_path / "t.md", tmp_path / "t.json"
     argv = ["evaluate", "mqar", "--model", str(ckpt), "--n", "4", "--markdown", str(md), "--out", str(js)]
+    argv += ["--methods", "l2", "hidden_attention"]
     assert main(argv) == 0
     assert "Task mqar (4 held-out sequences" in md.read_text()
-    assert json.loads(js.read_text())["task"]["name"] == "mqar"
+    report = json.loads(js.read_text())
+    assert report["task"]["name"] == "mqar"
+    assert set(report["rows"]) == {"LaTIM l2 (exact)", "LaTIM l2 (paper)", "hidden attention", "random"}
     assert main(argv + ["--gold", "value"]) == 0
     report = json.loads(js.read_text())
     assert report["gold"] == "value" and "the value position" in md.read_text()

@@ -135,10 +135,14 @@ def test_weight_decay_skips_ssm_parameters():
 
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.json")), ids=lambda p: p.name)
 def test_shipped_configs_parse(path):
+    # names: TASK-mambaV[-VARIANT], VARIANT an activation (relu, identity) or the init ("default")
     tc = tr.TrainConfig.from_json(path)
-    assert tc.task["name"] == "copy" and tc.model.vocab_size >= tc.task["vocab_size"]
-    expected = path.stem.rsplit("-", 1)[1] if path.stem.count("-") == 2 else "silu"
-    assert tc.model.activation == expected
+    task, version, *variant = path.stem.split("-")
+    assert tc.task["name"] == task and tc.model.version == int(version[-1])
+    assert tc.model.vocab_size >= tc.task["vocab_size"]
+    variant = variant[0] if variant else None
+    assert tc.model.activation == (variant if variant in ("relu", "identity") else "silu")
+    assert tc.init == ("default" if variant == "default" else "mimetic")
 
 
 def test_bad_configs_are_rejected():
