@@ -53,8 +53,7 @@ def default_prompt(model, seed: int = 0) -> list[int]:
     if task["name"] == "mqar":
         from latim_jax import tasks
 
-        keys = ("name", "vocab_size", "n_keys", "min_pairs", "max_pairs", "num_queries", "pad_id")
-        batch = tasks.make_batch({k: task[k] for k in keys if k in task}, 1, rng)
+        batch = tasks.make_batch(tasks.task_fields(task), 1, rng)
         return [int(t) for t in batch.tokens[0, : batch.lengths[0]]]
     n = int(min(task["max_len"], max(task["min_len"], 10)))
     content = [t for t in range(task["vocab_size"]) if t != task["sep_id"]]

@@ -89,9 +89,9 @@ def evaluate(
     import latim_jax
 
     task = task or model.task
-    if not task or task.get("name") not in _TASK_KEYS:
+    if not task or task.get("name") not in tasks.TASK_FIELDS:
         raise ValueError(f"evaluate needs a copy or mqar task: the model has {task!r} (pass task=...)")
-    task = tasks.check_task({k: v for k, v in task.items() if k in _TASK_KEYS[task["name"]]})
+    task = tasks.task_fields(task)
     if gold not in ("key", "value") or (gold == "value" and task["name"] != "mqar"):
         raise ValueError(f"gold must be 'key' (or 'value' for mqar), found {gold!r} for {task['name']}")
     batch = held_out(task, n_sequences, seed)
@@ -318,9 +318,3 @@ def _cmd_evaluate(args) -> None:
         write_bytes_atomic(args.out, json.dumps(report, indent=2).encode())
     if args.markdown:
         write_bytes_atomic(args.markdown, (table + "\n").encode())
-
-
-_TASK_KEYS = {
-    "copy": ("name", "vocab_size", "sep_id", "min_len", "max_len"),
-    "mqar": ("name", "vocab_size", "n_keys", "min_pairs", "max_pairs", "num_queries"),
-}

@@ -28,6 +28,11 @@ from typing import Any
 import numpy as np
 
 TASK_NAMES = ("copy", "mqar")
+# the fields that define each task (records such as a model's task.json add results and history)
+TASK_FIELDS = {
+    "copy": ("name", "vocab_size", "sep_id", "min_len", "max_len"),
+    "mqar": ("name", "vocab_size", "n_keys", "min_pairs", "max_pairs", "num_queries"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +73,18 @@ def mqar_task(
             "pad_id": 0,
         }
     )
+
+
+def task_fields(record: dict | None) -> dict:
+    """The task inside ``record`` (e.g. a model's ``task``, read from task.json): only the fields in
+    ``TASK_FIELDS``, validated. Errors name a missing task, an unknown name or a missing field."""
+    name = (record or {}).get("name")
+    if name not in TASK_FIELDS:
+        raise ValueError(f"not a copy or mqar task record: {record!r}")
+    missing = [k for k in TASK_FIELDS[name] if k not in record]
+    if missing:
+        raise ValueError(f"{name} task record lacks field(s) {missing}")
+    return check_task({k: record[k] for k in TASK_FIELDS[name]})
 
 
 def check_task(task: dict) -> dict:

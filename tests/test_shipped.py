@@ -12,7 +12,6 @@ from latim_jax.loading import SHIPPED as SHIPPED_MODELS
 
 # name -> (version, the method the paper reports best for it)
 SHIPPED = {"copy-mamba1": (1, "alti"), "copy-mamba2": (2, "l2")}
-TASK_KEYS = ("name", "vocab_size", "sep_id", "min_len", "max_len")
 
 
 @pytest.mark.parametrize("name", sorted(SHIPPED))
@@ -22,7 +21,7 @@ def test_shipped_model_loads_and_copies(name):
     assert model.config.version == version
     task = model.task
     assert task["name"] == "copy" and {"vocab_size", "sep_id", "min_len", "max_len"} <= set(task)
-    batch = tasks.make_batch({k: task[k] for k in TASK_KEYS}, 128, np.random.default_rng(123))
+    batch = tasks.make_batch(tasks.task_fields(task), 128, np.random.default_rng(123))
     assert task_accuracy(model, batch) >= task["final_token_accuracy"] - 0.03
     # exact-mode LaTIM ranks the gold source at least as well as the paper's best AUC for this version
     column = f"LaTIM {method} (exact)"
@@ -49,8 +48,7 @@ def test_shipped_mqar_model_recalls_and_latim_finds_the_value(name, tmp_path):
     model = latim_jax.load(name)
     task = model.task
     assert task["name"] == "mqar" and model.config.version == int(name[-1])
-    keys = ("name", "vocab_size", "n_keys", "min_pairs", "max_pairs", "num_queries")
-    batch = tasks.make_batch({k: task[k] for k in keys}, 128, np.random.default_rng(123))
+    batch = tasks.make_batch(tasks.task_fields(task), 128, np.random.default_rng(123))
     assert task_accuracy(model, batch) >= task["final_token_accuracy"] - 0.03
     # the answer is read at the value position (key + 1); recorded (128 sequences, benchmarks/
     # mqar_eval_*_value.md): Mamba-2 l2 1.000 (layer 0), Mamba-1 alti 0.950 (layer 1)

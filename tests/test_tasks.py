@@ -83,6 +83,16 @@ def test_batches_are_deterministic_given_a_seed(task):
     assert not np.array_equal(a.tokens, c.tokens)
 
 
+def test_task_fields_strips_a_record_to_its_task():
+    record = {**tasks.mqar_task(), "final_token_accuracy": 0.9, "training": {"steps": 3}}
+    assert tasks.task_fields(record) == {k: record[k] for k in tasks.TASK_FIELDS["mqar"]}
+    assert tasks.task_fields({**tasks.copy_task(), "sequence_length": 49}) == tasks.copy_task()
+    with pytest.raises(ValueError, match="not a copy or mqar task"):
+        tasks.task_fields(None)
+    with pytest.raises(ValueError, match=r"lacks field\(s\) \['sep_id'\]"):
+        tasks.task_fields({k: v for k, v in tasks.copy_task().items() if k != "sep_id"})
+
+
 def test_invalid_tasks_are_rejected():
     with pytest.raises(ValueError, match="sep_id"):
         tasks.copy_task(vocab_size=4, sep_id=4)
