@@ -87,17 +87,13 @@ def _tpu_epilogue(method, acc_ref, hout_ref, rows, jpos, out_ref):
     out_ref[...] = _loop(ti, row, jnp.zeros((ti, tj), f32))
 
 
-def _m2_kernel_tpu(
-    tmax_ref, rows_ref, a_ref, w_ref, g_ref, src_ref, tgt_ref, ad_ref, c_ref, b_ref, *rest, cfg
-):
-    """Mamba-2 TPU tile. Blocks: rows (1, ti) positions (f32); a (K, ec, tj); w = W_out^T (dt, ec);
-    g (ti, ec); src (hc, 3, K, tj) = shifted [Delta, hi, lo] per head; tgt (hc, 2, ti) = [hi, lo] of
-    the targets; ad (hc, 2, 1) = [A, D]; c (g, ti, n); b (g, K, n, tj) shifted B; [hout (2, ti, dt)];
-    out (ti, tj); scratch acc (ti, dt, tj)."""
-    method, K, hc, p, rep, prec = cfg
+def _tpu_tile(method, tmax_ref, rows_ref, rest, accumulate):
+    """The frame of a TPU tile: zero the accumulator at the first e-chunk, run
+    ``accumulate(rows, jpos, acc_ref)`` unless the tile lies above the diagonal (the bound is
+    scalar-prefetched per target block), reduce over d at the last e-chunk."""
     out_ref, acc_ref = rest[-2], rest[-1]
     hout_ref = rest[0] if method == "alti" else None
-    ti, tj = out_ref.shape
+    tj = out_ref.shape[1]
     ic, jc, ec = pl.program_id(1), pl.program_id(2), pl.program_id(4)
     j0 = jc * tj
     jpos = (j0 + lax.broadcasted_iota(jnp.int32, (1, tj), 1)).astype(f32)  # float positions: exact < 2^24
@@ -109,6 +105,25 @@ def _m2_kernel_tpu(
 
     @pl.when(j0 <= tmax_ref[ic])
     def _():
+        accumulate(rows, jpos, acc_ref)
+
+    @pl.when(ec == pl.num_programs(4) - 1)
+    def _():
+        _tpu_epilogue(method, acc_ref, hout_ref, rows, jpos, out_ref)
+
+
+def _m2_kernel_tpu(
+    tmax_ref, rows_ref, a_ref, w_ref, g_ref, src_ref, tgt_ref, ad_ref, c_ref, b_ref, *rest, cfg
+):
+    """Mamba-2 TPU tile. Blocks: rows (1, ti) positions (f32); a (K, ec, tj); w = W_out^T (dt, ec);
+    g (ti, ec); src (hc, 3, K, tj) = shifted [Delta, hi, lo] per head; tgt (hc, 2, ti) = [hi, lo] of
+    the targets; ad (hc, 2, 1) = [A, D]; c (g, ti, n); b (g, K, n, tj) shifted B; [hout (2, ti, dt)];
+    out (ti, tj); scratch acc (ti, dt, tj)."""
+    method, K, hc, p, rep, prec = cfg
+    ti, tj = rest[-2].shape
+    ec = pl.program_id(4)
+
+    def accumulate(rows, jpos, acc_ref):
         heads = []
         for hh in range(hc):
             grp = lax.div(ec * hc + hh, jnp.int32(rep))
@@ -136,9 +151,7 @@ def _m2_kernel_tpu(
 
         _loop(ti, row, 0)
 
-    @pl.when(ec == pl.num_programs(4) - 1)
-    def _():
-        _tpu_epilogue(method, acc_ref, hout_ref, rows, jpos, out_ref)
+    _tpu_tile(method, tmax_ref, rows_ref, rest, accumulate)
 
 
 def _m1_kernel_tpu(
@@ -148,20 +161,9 @@ def _m1_kernel_tpu(
     = shifted [Delta, hi, lo] per channel; tgt (2, ec, ti); ad (ec, n + 1) = [A | D]; c (n, ti);
     b (K, n, tj) shifted B; [hout (2, ti, dt)]; out (ti, tj); scratch acc (ti, dt, tj)."""
     method, K, n, prec = cfg
-    out_ref, acc_ref = rest[-2], rest[-1]
-    hout_ref = rest[0] if method == "alti" else None
-    ti, tj = out_ref.shape
-    ic, jc, ec = pl.program_id(1), pl.program_id(2), pl.program_id(4)
-    j0 = jc * tj
-    jpos = (j0 + lax.broadcasted_iota(jnp.int32, (1, tj), 1)).astype(f32)
-    rows = rows_ref[...]
+    ti = rest[-2].shape[0]
 
-    @pl.when(ec == 0)
-    def _():
-        acc_ref[...] = jnp.zeros(acc_ref.shape, f32)
-
-    @pl.when(j0 <= tmax_ref[ic])
-    def _():
+    def accumulate(rows, jpos, acc_ref):
         ad = ad_ref[...]
         A_cols = [_pick_lane(ad, q) for q in range(n)]  # n x (ec, 1)
         D = _pick_lane(ad, n)
@@ -183,9 +185,7 @@ def _m1_kernel_tpu(
 
         _loop(ti, row, 0)
 
-    @pl.when(ec == pl.num_programs(4) - 1)
-    def _():
-        _tpu_epilogue(method, acc_ref, hout_ref, rows, jpos, out_ref)
+    _tpu_tile(method, tmax_ref, rows_ref, rest, accumulate)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -204,15 +204,13 @@ def _gpu_store(method, acc, hout_ref, rcol, jpos, out_ref):
     out_ref[...] = _reduce_d(method, T, x, axis=-1)
 
 
-def _m2_kernel_gpu(rows_ref, a_ref, w_ref, g_ref, src_ref, tgt_ref, ad_ref, c_ref, b_ref, *rest, cfg):
-    """Mamba-2 GPU tile. Blocks: rows (ti,) int32; a (K, tj, e); w = W_out (e, dt); g (ti, e);
-    src (3, K, h, tj) shifted [Delta, hi, lo]; tgt (2, ti, h); ad (2, h) = [A; D]; c (g, ti, n);
-    b (g, K, tj, n) shifted B; [hout (2, ti, dt)]; out (ti, tj)."""
-    method, K, heads, p, rep, prec = cfg
+def _gpu_tile(method, rows_ref, rest, accumulate):
+    """The frame of a GPU tile: target rows rcol (ti, 1) and source positions jpos (1, tj) of this
+    program; a tile entirely above the diagonal writes zeros, any other stores the d-reduction of
+    ``accumulate(rcol, jpos)`` -> (ti * tj, dt) contributions."""
     out_ref = rest[-1]
     hout_ref = rest[0] if method == "alti" else None
-    ti, tj = out_ref.shape
-    dt = w_ref.shape[-1]
+    tj = out_ref.shape[1]
     j0 = pl.program_id(2) * tj
     rows = rows_ref[...]
     rcol = rows[:, None]  # (ti, 1)
@@ -221,6 +219,22 @@ def _m2_kernel_gpu(rows_ref, a_ref, w_ref, g_ref, src_ref, tgt_ref, ad_ref, c_re
 
     @pl.when(live)
     def _():
+        _gpu_store(method, accumulate(rcol, jpos), hout_ref, rcol, jpos, out_ref)
+
+    @pl.when(jnp.logical_not(live))
+    def _():
+        out_ref[...] = jnp.zeros(out_ref.shape, f32)
+
+
+def _m2_kernel_gpu(rows_ref, a_ref, w_ref, g_ref, src_ref, tgt_ref, ad_ref, c_ref, b_ref, *rest, cfg):
+    """Mamba-2 GPU tile. Blocks: rows (ti,) int32; a (K, tj, e); w = W_out (e, dt); g (ti, e);
+    src (3, K, h, tj) shifted [Delta, hi, lo]; tgt (2, ti, h); ad (2, h) = [A; D]; c (g, ti, n);
+    b (g, K, tj, n) shifted B; [hout (2, ti, dt)]; out (ti, tj)."""
+    method, K, heads, p, rep, prec = cfg
+    ti, tj = rest[-1].shape
+    dt = w_ref.shape[-1]
+
+    def accumulate(rcol, jpos):
         def head(hd, acc):
             grp = lax.div(hd, jnp.int32(rep))
             C = c_ref[grp]  # (ti, n)
@@ -238,12 +252,9 @@ def _m2_kernel_gpu(rows_ref, a_ref, w_ref, g_ref, src_ref, tgt_ref, ad_ref, c_re
             V = X * g_ref[:, ch][:, None, :]  # (ti, tj, p)
             return acc + _dot(V.reshape(ti * tj, p), w_ref[ch, :], prec)
 
-        acc = _loop(heads, head, jnp.zeros((ti * tj, dt), f32))
-        _gpu_store(method, acc, hout_ref, rcol, jpos, out_ref)
+        return _loop(heads, head, jnp.zeros((ti * tj, dt), f32))
 
-    @pl.when(jnp.logical_not(live))
-    def _():
-        out_ref[...] = jnp.zeros((ti, tj), f32)
+    _gpu_tile(method, rows_ref, rest, accumulate)
 
 
 def _m1_kernel_gpu(rows_ref, a_ref, w_ref, g_ref, src_ref, tgt_ref, ad_ref, c_ref, b_ref, *rest, cfg):
@@ -251,18 +262,10 @@ def _m1_kernel_gpu(rows_ref, a_ref, w_ref, g_ref, src_ref, tgt_ref, ad_ref, c_re
     shifted [Delta, hi, lo]; tgt (2, ti, e); ad (n + 1, e) = [A^T; D]; c (ti, n); b (K, n, tj) shifted
     B; [hout (2, ti, dt)]; out (ti, tj). Channel chunks of ec (a power of two)."""
     method, K, n, ec, n_chunks, prec = cfg
-    out_ref = rest[-1]
-    hout_ref = rest[0] if method == "alti" else None
-    ti, tj = out_ref.shape
+    ti, tj = rest[-1].shape
     dt = w_ref.shape[-1]
-    j0 = pl.program_id(2) * tj
-    rows = rows_ref[...]
-    rcol = rows[:, None]
-    jpos = j0 + lax.broadcasted_iota(jnp.int32, (1, tj), 1)
-    live = j0 <= jnp.max(rows)
 
-    @pl.when(live)
-    def _():
+    def accumulate(rcol, jpos):
         def chunk(cc, acc):
             ch = pl.ds(pl.multiple_of(cc * ec, ec), ec)
             hi, lo = tgt_ref[0, :, ch][:, None, :], tgt_ref[1, :, ch][:, None, :]  # (ti, 1, ec)
@@ -282,9 +285,6 @@ def _m1_kernel_gpu(rows_ref, a_ref, w_ref, g_ref, src_ref, tgt_ref, ad_ref, c_re
             V = X * g_ref[:, ch][:, None, :]
             return acc + _dot(V.reshape(ti * tj, ec), w_ref[ch, :], prec)
 
-        acc = _loop(n_chunks, chunk, jnp.zeros((ti * tj, dt), f32))
-        _gpu_store(method, acc, hout_ref, rcol, jpos, out_ref)
+        return _loop(n_chunks, chunk, jnp.zeros((ti * tj, dt), f32))
 
-    @pl.when(jnp.logical_not(live))
-    def _():
-        out_ref[...] = jnp.zeros((ti, tj), f32)
+    _gpu_tile(method, rows_ref, rest, accumulate)
