@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import rel_err as rel
 from flax import nnx
 
 import latim_jax
@@ -40,11 +41,6 @@ def make(name, **changes):
 
 def tokens(batch=2, length=11, seed=0):
     return np.random.default_rng(seed).integers(0, 32, (batch, length))
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
 
 @pytest.mark.parametrize("name", ["m1", "m2"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import rel_err as rel
 
 import latim_jax
 from latim_jax.config import MambaConfig
@@ -24,11 +25,6 @@ CONFIGS = {
         chunk_size=8,
     ),
 }
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
