@@ -1,4 +1,6 @@
-"""Synthetic sequence tasks whose gold source positions are known: copying and multi-query recall.
+"""Synthetic sequence tasks whose gold source positions are known: copying and multi-query recall here;
+translation with gold word alignments (latim_jax.align) and needle retrieval (latim_jax.needle) in their
+own modules, dispatched by name from this one.
 
 Every task is a plain JSON-safe dict (``task["name"]`` picks the generator) and every batch is drawn
 from a numpy ``Generator``, so a seed fixes the data.
@@ -27,12 +29,17 @@ from typing import Any
 
 import numpy as np
 
-TASK_NAMES = ("copy", "mqar")
+TASK_NAMES = ("copy", "mqar", "align", "needle")
 # the fields that define each task (records such as a model's task.json add results and history)
 TASK_FIELDS = {
     "copy": ("name", "vocab_size", "sep_id", "min_len", "max_len"),
     "mqar": ("name", "vocab_size", "n_keys", "min_pairs", "max_pairs", "num_queries"),
-}
+    "align": ("name", "vocab_size", "min_src", "max_src", "max_tgt"),
+    "needle": (
+        "name", "vocab_size", "n_distract", "n_keys", "n_values", "length", "min_needles", "max_needles",
+        "num_queries",
+    ),
+}  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +87,7 @@ def task_fields(record: dict | None) -> dict:
     ``TASK_FIELDS``, validated. Errors name a missing task, an unknown name or a missing field."""
     name = (record or {}).get("name")
     if name not in TASK_FIELDS:
-        raise ValueError(f"not a copy or mqar task record: {record!r}")
+        raise ValueError(f"not a task record ({', '.join(TASK_NAMES)}): {record!r}")
     missing = [k for k in TASK_FIELDS[name] if k not in record]
     if missing:
         raise ValueError(f"{name} task record lacks field(s) {missing}")
@@ -92,6 +99,8 @@ def check_task(task: dict) -> dict:
     name = task.get("name")
     if name not in TASK_NAMES:
         raise ValueError(f"task name must be one of {TASK_NAMES}, found {name!r}")
+    if name in ("align", "needle"):
+        return _module(name).check_task(task)
     if name == "copy":
         if not 0 <= task["sep_id"] < task["vocab_size"]:
             raise ValueError(f"copy task: sep_id {task['sep_id']} outside [0, {task['vocab_size']})")
@@ -117,6 +126,8 @@ def check_task(task: dict) -> dict:
 
 def sequence_length(task: dict) -> int:
     """The padded length l of every batch of ``task``."""
+    if task["name"] in ("align", "needle"):
+        return _module(task["name"]).sequence_length(task)
     if task["name"] == "copy":
         return 2 * task["max_len"] + 1
     return 2 * task["max_pairs"] + 2 * min(task["num_queries"], task["max_pairs"])
@@ -125,9 +136,18 @@ def sequence_length(task: dict) -> int:
 def make_batch(task: dict, batch_size: int, rng: np.random.Generator) -> Batch:
     """A batch of ``task`` drawn from ``rng`` (dispatches on ``task["name"]``)."""
     check_task(task)
+    if task["name"] in ("align", "needle"):
+        return _module(task["name"]).make_batch(task, batch_size, rng)
     if task["name"] == "copy":
         return copy_batch(task, batch_size, rng)
     return mqar_batch(task, batch_size, rng)
+
+
+def _module(name: str):
+    """The module that defines the align / needle task (imported lazily: they import Batch from here)."""
+    import importlib
+
+    return importlib.import_module(f"latim_jax.{name}")
 
 
 def copy_batch(task: dict, batch_size: int, rng: np.random.Generator) -> Batch:
