@@ -263,12 +263,19 @@ def _best(report, column):
 def add_evaluate_parser(sub) -> None:
     """Register ``latim-jax evaluate TASK`` on the CLI's subparsers."""
     p = sub.add_parser("evaluate", help="attribution quality on a task with known gold sources")
-    p.add_argument("task", choices=("copy", "mqar"))
+    p.add_argument("task", choices=("copy", "mqar", "align", "needle"))
     p.add_argument(
         "--model", default=None, help="default: the shipped model for TASK of --version (copy-mamba2, ...)"
     )
     p.add_argument("--version", type=int, default=2, choices=(1, 2))
-    p.add_argument("--n", type=int, default=64, help="held-out sequences")
+    p.add_argument("--n", type=int, default=64, help="held-out sequences (align: sentences)")
+    p.add_argument(
+        "--lengths",
+        type=int,
+        nargs="+",
+        default=None,
+        help="needle: sequence lengths (default 512 2048 8192)",
+    )
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=10_000)
     p.add_argument(
@@ -299,6 +306,8 @@ def _cmd_evaluate(args) -> None:
         raise SystemExit(
             f"error: model {model.source!r} was not trained on the {args.task} task (task: {task})"
         )
+    if args.task in ("align", "needle"):
+        return _cmd_task_eval(args, model)
     try:
         methods = METHODS if args.methods is None else [m for m in METHODS if m[1] in args.methods]
         report = evaluate(
@@ -313,6 +322,42 @@ def _cmd_evaluate(args) -> None:
     except ValueError as err:
         raise SystemExit(f"error: {err}") from err
     table = format_table(report)
+    print(table)
+    if args.out:
+        write_bytes_atomic(args.out, json.dumps(report, indent=2).encode())
+    if args.markdown:
+        write_bytes_atomic(args.markdown, (table + "\n").encode())
+
+
+def _cmd_task_eval(args, model) -> None:
+    """`latim-jax evaluate align|needle`: AER (latim_jax.evaluate_align) or needle retrieval
+    (latim_jax.evaluate_needle) of every method, or of --methods."""
+    from latim_jax import methods as mt
+    from latim_jax.results import write_bytes_atomic
+
+    try:
+        chosen = mt.select(args.methods)
+        if args.task == "align":
+            from latim_jax import evaluate_align as ea
+
+            report = ea.evaluate_alignment(
+                model, n_sentences=args.n, batch_size=args.batch_size, seed=args.seed, methods=chosen
+            )
+            table = ea.format_table(report)
+        else:
+            from latim_jax import evaluate_needle as en
+
+            report = en.evaluate_needle(
+                model,
+                lengths=tuple(args.lengths or en.LENGTHS),
+                n_sequences=args.n,
+                batch_size=min(args.batch_size, args.n),
+                seed=args.seed,
+                methods=chosen,
+            )
+            table = en.format_table(report)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from err
     print(table)
     if args.out:
         write_bytes_atomic(args.out, json.dumps(report, indent=2).encode())
