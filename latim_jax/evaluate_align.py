@@ -66,7 +66,8 @@ def evaluate_alignment(
         sl = slice(start, start + batch_size)
         part = align.Links(links.sure[sl], links.possible[sl], links.n_src[sl], links.n_tgt[sl])
         for m in run_methods:
-            res = run(model, batch.tokens[sl], m, target=batch.targets[sl])
+            mask = np.arange(batch.tokens.shape[1])[None] < batch.lengths[sl, None]  # padding after EOS
+            res = run(model, batch.tokens[sl], m, mask=mask, target=batch.targets[sl])
             scores = np.asarray(res.scores)
             agg = layer_aggregate(res, m)
             maps = [scores[:, k] for k in range(n_layers)] + [agg]

@@ -13,6 +13,8 @@ evaluation batch (stream ``[seed, 2]``).
 
 Initialisations: ``"default"`` is :func:`latim_jax.init.init_params`; ``"mimetic"`` applies
 :func:`mimetic_init` on top of it (Trockman et al. 2024, as the LaTIM authors' code does it).
+``init_from`` continues from a model written by :func:`save_trained` instead (a second stage, e.g.
+more steps or longer sequences: a length curriculum); ``init`` then records how the first stage began.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class TrainConfig:
     model: MambaConfig
     task: dict
     init: str = "mimetic"
+    init_from: str | None = None  # a save_trained directory to continue from (relative to the cwd)
     seed: int = 0
     steps: int = 2000
     batch_size: int = 64
@@ -169,6 +172,23 @@ def initial_params(config: MambaConfig, init: str = "default", seed: int = 0) ->
     return mimetic_init(params, config) if init == "mimetic" else params
 
 
+def starting_params(tc: TrainConfig) -> dict:
+    """``initial_params(tc.model, tc.init, tc.seed)``, or the parameters of ``tc.init_from`` (whose model
+    config must equal ``tc.model``; the error names the differing fields)."""
+    if tc.init_from is None:
+        return initial_params(tc.model, tc.init, tc.seed)
+    from latim_jax.convert import read_checkpoint
+
+    config, params = read_checkpoint(tc.init_from)
+    if config != tc.model:
+        a, b = config.to_dict(), tc.model.to_dict()
+        diff = sorted(k for k in a if a[k] != b.get(k))
+        raise ValueError(
+            f"init_from {tc.init_from}: its model config differs from the training config in {diff}"
+        )
+    return params
+
+
 # ---------------------------------------------------------------------------------------------------
 # Objective and optimiser
 
@@ -274,7 +294,7 @@ def train(
     """
     steps = tc.steps if steps is None else steps
     start, cpu_start = time.perf_counter(), time.process_time()
-    model = MambaLM(tc.model, initial_params(tc.model, tc.init, tc.seed))
+    model = MambaLM(tc.model, starting_params(tc))
     optimizer = nnx.Optimizer(model, make_optimizer(tc, steps), wrt=nnx.Param)
     data_rng = np.random.default_rng([tc.seed, 1])
     eval_batch = make_batch(tc.task, tc.eval_size, np.random.default_rng([tc.seed, 2]))

@@ -152,3 +152,17 @@ def test_bad_configs_are_rejected():
         tr.TrainConfig.from_dict({"model": MODELS[1].to_dict(), "task": copy_task(), "lr_max": 1.0})
     with pytest.raises(ValueError, match="exceeds"):
         tiny_train_config(1, task=copy_task(vocab_size=32))
+
+
+def test_init_from_continues_from_a_saved_model(trained, tmp_path):
+    tc, result = trained
+    path = tr.save_trained(tmp_path / "stage1", result, tc)
+    stage2 = dataclasses.replace(tc, init_from=str(path), steps=2)
+    start = tr.starting_params(stage2)
+    saved = jax.tree.map(np.asarray, result.model.params())
+    jax.tree.map(np.testing.assert_array_equal, start, saved)  # not a fresh initialisation
+    assert not np.array_equal(start["embedding"], tr.starting_params(tc)["embedding"])
+    assert len(tr.train(stage2, log=None).losses) == 2
+    other = dataclasses.replace(stage2, model=dataclasses.replace(tc.model, d_state=8))
+    with pytest.raises(ValueError, match=r"differs from the training config in \['d_state'\]"):
+        tr.starting_params(other)
