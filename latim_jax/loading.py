@@ -12,7 +12,9 @@ from latim_jax.convert.orbax_io import TOKENIZER_FILES
 from latim_jax.model import MambaLM
 
 ASSETS = Path(__file__).parent / "assets"
-SHIPPED = ("copy-mamba1", "copy-mamba2", "mqar-mamba1", "mqar-mamba2")
+SHIPPED = (
+    "copy-mamba1", "copy-mamba2", "mqar-mamba1", "mqar-mamba2", "align-mamba2",
+)  # fmt: skip
 DEFAULT_MODEL = "copy-mamba2"
 
 
@@ -49,8 +51,10 @@ def load(source: str | os.PathLike | None = None, dtype=None) -> MambaLM:
     Args:
       source: None (the shipped Mamba-2 copy-task model), a shipped name ("copy-mamba1",
         "copy-mamba2": the copy task; "mqar-mamba1", "mqar-mamba2": multi-query associative
-        recall), a local directory in Hugging Face, mamba_ssm or Codestral format or written by
-        ``latim-jax convert``, or a hub id such as "state-spaces/mamba-130m-hf" (needs network access).
+        recall; "align-mamba1", "align-mamba2": translation with gold word alignments;
+        "needle-mamba1", "needle-mamba2": needle retrieval), a local directory in Hugging Face,
+        mamba_ssm or Codestral format or written by ``latim-jax convert``, or a hub id such as
+        "state-spaces/mamba-130m-hf" (needs network access).
       dtype: parameter dtype ("float32", "bfloat16", or a jnp dtype); default: as stored.
 
     The model exposes ``config``, ``source``, ``task`` (shipped models: the task it was trained on)

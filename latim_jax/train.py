@@ -179,7 +179,7 @@ def starting_params(tc: TrainConfig) -> dict:
         return initial_params(tc.model, tc.init, tc.seed)
     from latim_jax.convert import read_checkpoint
 
-    config, params = read_checkpoint(tc.init_from)
+    config, params = read_checkpoint(Path(tc.init_from).resolve())  # orbax wants absolute paths
     if config != tc.model:
         a, b = config.to_dict(), tc.model.to_dict()
         diff = sorted(k for k in a if a[k] != b.get(k))

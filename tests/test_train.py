@@ -154,10 +154,11 @@ def test_bad_configs_are_rejected():
         tiny_train_config(1, task=copy_task(vocab_size=32))
 
 
-def test_init_from_continues_from_a_saved_model(trained, tmp_path):
+def test_init_from_continues_from_a_saved_model(trained, tmp_path, monkeypatch):
     tc, result = trained
-    path = tr.save_trained(tmp_path / "stage1", result, tc)
-    stage2 = dataclasses.replace(tc, init_from=str(path), steps=2)
+    tr.save_trained(tmp_path / "stage1", result, tc)
+    monkeypatch.chdir(tmp_path)  # init_from is relative to the working directory
+    stage2 = dataclasses.replace(tc, init_from="stage1", steps=2)
     start = tr.starting_params(stage2)
     saved = jax.tree.map(np.asarray, result.model.params())
     jax.tree.map(np.testing.assert_array_equal, start, saved)  # not a fresh initialisation

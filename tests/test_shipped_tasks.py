@@ -1,0 +1,68 @@
+"""The shipped translation and needle models: they load with their task, reach their accuracy floors,
+and LaTIM's AER / AUC floors hold on held-out data (floors = measured values minus a margin; the full
+measurements are in benchmarks/align_eval_*.md and benchmarks/needle_eval_*.md)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import latim_jax
+from latim_jax import align, needle, tasks
+from latim_jax import evaluate_align as ea
+from latim_jax import evaluate_needle as en
+from latim_jax.methods import Method
+
+# name -> (target token accuracy floor, method, layer, AER ceiling); measured on these 64 sentences
+# (seed 123): align-mamba2 accuracy 1.000, l2 (exact) AER 0.148 at layer 1
+ALIGN_FLOORS = {
+    "align-mamba2": (0.99, "l2", 1, 0.20),
+}
+# name -> (test length, retrieval accuracy floor, method, AUC floor at the best layer, value gold)
+NEEDLE_FLOORS = {
+    "needle-mamba1": (None, None, "l2", None),
+    "needle-mamba2": (None, None, "l2", None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ALIGN_FLOORS))
+def test_shipped_alignment_model_translates_and_latim_aligns(name):
+    model = latim_jax.load(name)
+    assert model.config.version == int(name[-1]) and model.task["name"] == "align"
+    acc_floor, method, layer, aer_ceiling = ALIGN_FLOORS[name]
+    m = Method(f"LaTIM {method} (exact)", method, "exact")
+    report = ea.evaluate_alignment(model, n_sentences=64, batch_size=64, methods=(m,), seed=123)
+    assert report["token_accuracy"] >= acc_floor
+    assert report["rows"][m.name]["layers"][layer] <= aer_ceiling
+    assert report["rows"][m.name]["layers"][layer] < report["random"] - 0.5
+
+
+@pytest.mark.parametrize("name", sorted(NEEDLE_FLOORS))
+def test_shipped_needle_model_retrieves_and_latim_finds_the_needle(name):
+    model = latim_jax.load(name)
+    assert model.config.version == int(name[-1]) and model.task["name"] == "needle"
+    length, acc_floor, method, auc_floor = NEEDLE_FLOORS[name]
+    m = Method(f"LaTIM {method} (exact)", method, "exact")
+    report = en.evaluate_needle(
+        model,
+        lengths=(length,),
+        settings={"multi": (4, 2)},
+        n_sequences=8,
+        batch_size=8,
+        methods=(m,),
+        seed=123,
+    )
+    (entry,) = report["results"]
+    assert entry["accuracy"] >= acc_floor
+    assert entry["rows"][m.name]["value"]["best"]["auc"] >= auc_floor
+
+
+@pytest.mark.parametrize("name", ["align-mamba2", "needle-mamba2"])
+def test_shipped_task_records_are_complete(name):
+    model = latim_jax.load(name)
+    task = tasks.task_fields(model.task)
+    vocab = (align.vocabulary if task["name"] == "align" else needle.vocabulary)(task)
+    assert len(vocab) == task["vocab_size"] <= model.config.vocab_size
+    assert model.task["training"]["init"] == "mimetic" and model.task["final_token_accuracy"] > 0.9
+    batch = tasks.make_batch(task, 4, np.random.default_rng(0))
+    model.check_tokens(batch.tokens)
