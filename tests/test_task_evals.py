@@ -58,37 +58,43 @@ def test_alignment_report_matches_a_direct_computation():
     assert "| LaTIM l2 (exact) |" in table and "0.44-0.52" in table and "gold argmax" in table
 
 
-def test_every_method_row_runs_or_is_reported_unavailable():
-    report = ea.evaluate_alignment(tiny(ALIGN), n_sentences=8, batch_size=8)
-    ran = set(report["rows"]) | set(report["unavailable"])
-    assert ran == {m.name for m in mt.METHODS}
+def test_method_rows_rollout_and_unavailable_options(monkeypatch):
+    chosen = mt.select(["alti", "hidden_attention", "grad_input"])
+    report = ea.evaluate_alignment(tiny(ALIGN), n_sentences=8, batch_size=8, methods=chosen)
+    assert set(report["rows"]) | set(report["unavailable"]) == {m.name for m in chosen}
     assert report["rows"]["grad x input"]["aggregate"] is not None
+    assert report["rows"]["LaTIM alti (exact)"]["aggregate"] is not None  # rollout
     assert report["rows"]["hidden attention (signed)"]["aggregate"] is None  # no rollout of signed maps
     for r in report["rows"].values():
         assert all(0.0 <= x <= 1.0 for x in r["layers"] + r["own"]["layers"])
+    # without aggregation= in attribute only the signed hidden attention (its old behaviour) can run
+    monkeypatch.setattr(mt, "has_aggregation", lambda: False)
+    assert [m.aggregation for m in chosen if mt.available(m)] == [None, None, "signed", None]
+    with pytest.raises(ValueError, match="no aggregation= keyword"):
+        mt.run(None, None, mt.Method("hidden attention (abs)", "hidden_attention", aggregation="abs"))
+    with pytest.raises(ValueError, match="unknown method"):
+        mt.select(["attention"])
 
 
 def test_needle_report_on_query_rows():
     model = tiny(NEEDLE)
-    methods = mt.select(["l2", "grad_input"])
+    l2 = mt.select(["l2"])[:1]
     report = en.evaluate_needle(
-        model, lengths=(24, 40), settings={"multi": (2, 2)}, n_sequences=4, batch_size=2, methods=methods
+        model, lengths=(40,), settings={"multi": (2, 2)}, n_sequences=4, batch_size=4, methods=l2
     )
-    assert [(e["length"], e["setting"]) for e in report["results"]] == [(24, "multi"), (40, "multi")]
-    for e in report["results"]:
-        assert 0.0 <= e["accuracy"] <= 1.0 and set(e["rows"]) == {m.name for m in methods}
-        for name in e["rows"]:
-            for gold in en.GOLDS:
-                row = e["rows"][name][gold]
-                assert len(row["layers"]) == 2 and row["layers"][0]["n_rows"] == 4 * 2
-                assert 0.0 <= row["aggregate"]["auc"] <= 1.0
-    # the rows-only scores are those of the full map at the query rows
+    (e,) = report["results"]
+    assert (e["length"], e["setting"]) == (40, "multi") and 0.0 <= e["accuracy"] <= 1.0
+    for gold in en.GOLDS:
+        row = e["rows"]["LaTIM l2 (exact)"][gold]
+        assert len(row["layers"]) == 2 and row["layers"][0]["n_rows"] == 4 * 2
+        assert 0.0 <= row["aggregate"]["auc"] <= 1.0
+    # the value gold is the key gold + 1: R@1 of a map that is one-hot on key + 1
     t = en.setting_task(NEEDLE, 40, 2, 2)
-    b = needle.make_batch(t, 2, np.random.default_rng(0))
+    b = needle.make_batch(t, 4, np.random.default_rng([10_000, 40, 2]))
     rows = needle.query_rows(t)
-    sub = latim_jax.attribute(model, b.tokens, "l2", rows=rows).scores
-    full = latim_jax.attribute(model, b.tokens, "l2").scores
-    np.testing.assert_allclose(np.asarray(sub), np.asarray(full)[:, :, rows], rtol=1e-5, atol=1e-6)
+    onehot = np.arange(40)[None, None] == (b.gold[:, rows] + 1)[..., None]
+    assert en._score(onehot.astype(float), en._gold(b, rows, "value"), rows)["recall@1"] == 1.0
+    assert en._score(onehot.astype(float), en._gold(b, rows, "key"), rows)["recall@1"] == 0.0
     table = en.format_table(report)
     assert "Setting multi (2 needle(s)" in table and "| random |" in table
 
@@ -113,7 +119,7 @@ def test_cli_evaluate_align_and_needle(task, tmp_path):
         "--out",
         str(js),
     ]
-    argv += ["--methods", "l2", "--lengths", "24"]
+    argv += ["--methods", "l2", "--lengths", "40"]
     assert main(argv) == 0
     report = json.loads(js.read_text())
     assert report["task"]["name"] == task["name"] and f"Task {task['name']}" in md.read_text()
