@@ -136,7 +136,7 @@ def cmd_attribute(args):
         html_view(scores, labels, args.html, title=title, layer_names=names, row_labels=row_labels)
         print(f"wrote {args.html}")
     if "approximation_error" in result.extra:
-        err = ", ".join(f"{e:.3f}" for e in np.asarray(result.extra["approximation_error"]))
+        err = ", ".join(f"{e:.3f}" for e in np.asarray(result.extra["approximation_error"])[0])
         print(f"paper-mode approximation error per layer: {err}")
 
 

@@ -6,8 +6,10 @@ attribution row over candidates j' <= i is ranked against the gold position: AUC
 pooled AUC, AP and recall@K (latim_jax.metrics states the definitions).
 
 Per method the table reports every layer, the best single layer, and an aggregate over layers:
-rollout for alti / hidden_attention (Ali et al.'s (A + I) normalisation) / logit (input attribution
-through the ALTI rollout); for l2, l1 and grad_input the sum over layers of row-normalised maps.
+rollout for alti / hidden_attention (Ali et al.'s (A + I) normalisation; the minmax and abs
+aggregations, which are non-negative) / logit (input attribution through the ALTI rollout); for l2,
+l1 and grad_input the sum over layers of row-normalised maps; for the signed hidden attention (which
+has negative entries, so no rollout) the plain sum over layers.
 """
 
 from __future__ import annotations
@@ -19,16 +21,18 @@ import numpy as np
 
 from latim_jax import metrics, tasks
 
-# (column name, method, mode): mode None for baselines that have no decomposition mode
+# (column name, method, mode, extra attribute() keywords): mode None for baselines without a mode
 METHODS = (
-    ("LaTIM l2 (exact)", "l2", "exact"),
-    ("LaTIM l2 (paper)", "l2", "paper"),
-    ("LaTIM alti (exact)", "alti", "exact"),
-    ("LaTIM alti (paper)", "alti", "paper"),
-    ("LaTIM logit (exact)", "logit", "exact"),
-    ("LaTIM logit (paper)", "logit", "paper"),
-    ("hidden attention", "hidden_attention", None),
-    ("grad x input", "grad_input", None),
+    ("LaTIM l2 (exact)", "l2", "exact", {}),
+    ("LaTIM l2 (paper)", "l2", "paper", {}),
+    ("LaTIM alti (exact)", "alti", "exact", {}),
+    ("LaTIM alti (paper)", "alti", "paper", {}),
+    ("LaTIM logit (exact)", "logit", "exact", {}),
+    ("LaTIM logit (paper)", "logit", "paper", {}),
+    ("hidden attention (minmax)", "hidden_attention", None, {"aggregation": "minmax"}),
+    ("hidden attention (abs)", "hidden_attention", None, {"aggregation": "abs"}),
+    ("hidden attention (signed)", "hidden_attention", None, {"aggregation": "signed"}),
+    ("grad x input", "grad_input", None, {}),
 )
 
 # latim-math.md section 7: AUC on the copying task
@@ -49,6 +53,8 @@ def held_out(task: dict, n_sequences: int, seed: int):
 
 def aggregate(result) -> np.ndarray:
     """(B, L, L) aggregate over layers of an Attribution (see the module docstring)."""
+    if result.method == "hidden_attention" and result.aggregation == "signed":
+        return np.asarray(result.scores).sum(1)
     if result.method in ("alti", "hidden_attention", "logit"):
         return np.asarray(result.rollout())
     s = np.abs(np.asarray(result.scores))
@@ -83,8 +89,9 @@ def evaluate(
 
     Returns a JSON-safe dict: {"task", "model", "version", "activation", "n_sequences", "seed",
     "accuracy", "rows": {column: {...}}, "approximation_error", "definitions"}. "approximation_error" is
-    the paper mode's mean relative error E per layer over the held-out sequences (None when no
-    paper-mode method ran).
+    the paper mode's relative error E per layer, averaged over every real (non-padding) token of the
+    held-out sequences (None when no paper-mode method ran). Batches are padded on the right and
+    attributed with their padding mask, so each sequence's maps equal the sequence alone.
     """
     import latim_jax
 
@@ -97,24 +104,29 @@ def evaluate(
     batch = held_out(task, n_sequences, seed)
     gold_pos = tasks.value_sources(batch.gold) if gold == "value" else batch.gold
     n_layers = model.config.n_layers
-    maps = {name: {"layers": [[] for _ in range(n_layers)], "aggregate": []} for name, _, _ in methods}
-    approx = []  # per batch: (n_layers,) paper-mode E times the batch's number of sequences
+    maps = {name: {"layers": [[] for _ in range(n_layers)], "aggregate": []} for name, *_ in methods}
+    approx = []  # per batch: (n_layers,) paper-mode E summed over the batch's real tokens
+    real = np.arange(batch.tokens.shape[1])[None, :] < batch.lengths[:, None]  # right padding
     for start in range(0, n_sequences, batch_size):
         toks = batch.tokens[start : start + batch_size]
         targets = batch.targets[start : start + batch_size]
+        mask = real[start : start + batch_size]
         batch_approx = None
-        for name, method, mode in methods:
-            res = latim_jax.attribute(model, toks, method=method, mode=mode or "exact", target=targets)
+        for name, method, mode, options in methods:
+            res = latim_jax.attribute(
+                model, toks, method=method, mode=mode or "exact", target=targets, mask=mask, **options
+            )
             s = np.asarray(res.scores)
             for layer in range(n_layers):
                 maps[name]["layers"][layer].append(s[:, layer])
             maps[name]["aggregate"].append(aggregate(res))
             if "approximation_error" in res.extra:  # the same for every paper-mode method
-                batch_approx = np.asarray(res.extra["approximation_error"]) * len(toks)
+                per_prompt = np.asarray(res.extra["approximation_error"])  # (b, n_layers), real tokens
+                batch_approx = (per_prompt * mask.sum(1)[:, None]).sum(0)
         if batch_approx is not None:
             approx.append(batch_approx)
     rows = {}
-    for name, _, _ in methods:
+    for name, *_ in methods:
         per_layer = [_score(np.concatenate(m), gold_pos, ks) for m in maps[name]["layers"]]
         best = max(range(n_layers), key=lambda k: _nan_to(per_layer[k]["auc"], -1.0))
         rows[name] = {
@@ -135,7 +147,7 @@ def evaluate(
         "gold": gold if task["name"] == "mqar" else "copy source",
         "accuracy": task_accuracy(model, batch),
         "rows": rows,
-        "approximation_error": (np.sum(approx, 0) / n_sequences).tolist() if approx else None,
+        "approximation_error": (np.sum(approx, 0) / real.sum()).tolist() if approx else None,
         "definitions": __doc__.strip(),
     }
 
@@ -281,7 +293,7 @@ def add_evaluate_parser(sub) -> None:
         "--methods",
         nargs="+",
         default=None,
-        choices=sorted({m for _, m, _ in METHODS}),
+        choices=sorted({m[1] for m in METHODS}),
         help="only these methods (default: all, both modes)",
     )
     p.add_argument("--out", default=None, help="write the full report as JSON")
