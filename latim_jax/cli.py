@@ -205,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_evaluate_parser(sub)
+    from latim_jax.dataset_cli import add_dataset_parser
+
+    add_dataset_parser(sub)
     return p
 
 
