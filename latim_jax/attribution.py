@@ -20,9 +20,21 @@ from latim_jax.inputs import check_layers, check_rows, is_traced
 from latim_jax.jit import jit_model_fn
 from latim_jax.kernels.dispatch import check_impl
 from latim_jax.layers import f32
+from latim_jax.memory import HEAD_CHUNK, check_fits
+from latim_jax.memory import available as available_memory
+from latim_jax.progress import progress as progress_bar
 from latim_jax.results import Attribution
-from latim_jax.scores import AGGREGATIONS, DEFAULT_AGGREGATION, METHODS, Blocks, layer_scores, token_sum
+from latim_jax.scores import (
+    AGGREGATIONS,
+    DEFAULT_AGGREGATION,
+    METHODS,
+    Blocks,
+    kept_pairs,
+    layer_scores,
+    token_sum,
+)
 from latim_jax.sharding import DATA, P, Runtime, gather, pad_batch, put
+from latim_jax.stream import StreamWriter, load_streamed
 
 
 @jax.tree_util.register_dataclass
@@ -125,6 +137,11 @@ def attribute(
     aggregation: str = DEFAULT_AGGREGATION,
     inputs_embeds=None,
     mesh=None,
+    top_k: int | None = None,
+    out_dtype: str = "float32",
+    stream_to=None,
+    memory_limit="auto",
+    progress: bool | None = None,
 ) -> Attribution:
     """Token-to-token attribution scores for every (or the selected) layer of a Mamba model.
 
@@ -152,10 +169,22 @@ def attribute(
         prompts are split over "data", the layers run model-parallel over "model" and each layer's
         target rows are split over "model"; the model is laid out on the mesh first (in place) unless
         it already is. The result is the same as without a mesh, to float rounding.
+      top_k: keep only the k strongest sources of each target row (scores (B, n_layers, R, k) in
+        decreasing order, positions in ``extra["sources"]``); the full matrix of one layer at a time
+        is still computed, but the output is O(R k) per layer.
+      out_dtype: "float32" (default), "bfloat16" or "float16" for the returned scores (each layer is
+        computed in fp32 and rounded once: bf16 keeps ~3 significant digits).
+      stream_to: a directory (new or empty): each layer's scores are written there as soon as they are
+        computed (:mod:`latim_jax.stream`), and the result's scores are a read-only memmap of it.
+      memory_limit: "auto" (the free host or device memory), a number of bytes, or None (no check).
+        The call's peak is estimated first (:mod:`latim_jax.memory`) and a call that would not fit is
+        refused with an error naming the options that do (rows=[-1], fewer layers, top_k, bf16
+        output, streaming, a smaller batch).
+      progress: a progress bar over layers on stderr (None: when stderr is a terminal and L >= 1024).
 
-    Returns an :class:`Attribution` whose ``scores`` are (B, n_layers, R, L) float32, exactly 0 above
-    the diagonal. Pure JAX: works under ``jax.jit``, ``jax.vmap`` and ``jax.grad`` (value checks run
-    only on concrete inputs).
+    Returns an :class:`Attribution` whose ``scores`` are (B, n_layers, R, L) (or top_k) in
+    ``out_dtype``, exactly 0 above the diagonal. Pure JAX: works under ``jax.jit``, ``jax.vmap`` and
+    ``jax.grad`` (value checks, the memory check and streaming need concrete inputs).
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
@@ -165,6 +194,8 @@ def attribute(
     check_impl(impl)
     if blocks is not None and not isinstance(blocks, Blocks):
         raise ValueError(f"blocks must be a latim_jax.scores.Blocks, found {type(blocks).__name__}")
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, found {out_dtype!r}")
     x = model.prepare_inputs(tokens, mask, inputs_embeds, mesh=mesh)
     runtime = impl if mesh is None else Runtime(impl=impl, mesh=x.mesh)
     mask = x.mask
@@ -173,69 +204,134 @@ def attribute(
     layer_list = check_layers(layers, n)
     row_list = check_rows(rows, L)
     row_idx = jnp.arange(L) if row_list is None else jnp.asarray(row_list, jnp.int32)
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= L):
+        raise ValueError(f"top_k must be an int in [1, {L}] (the length), found {top_k!r}")
+    if stream_to is not None and (top_k is not None or is_traced(x.h) or out_dtype == "bfloat16"):
+        raise ValueError(
+            "stream_to needs concrete inputs, whole score matrices (not top_k) and float32 or float16"
+        )
+    whole = row_list is None and layer_list == tuple(range(n))
+    if memory_limit is not None and not is_traced(x.h):
+        limit = available_memory() if memory_limit == "auto" else int(memory_limit)
+        n_rows = None if row_list is None else len(row_list)
+        n_layers = None if layer_list == tuple(range(n)) else len(layer_list)
+        check_fits(
+            model, x.batch, L, limit=limit, method=method, rows=n_rows, layers=n_layers, top_k=top_k,
+            out_dtype=out_dtype, stream=stream_to is not None, blocks=blocks,
+        )  # fmt: skip
     targets = _targets(target, x.batch, L, model.config.vocab_size)
     if targets is not None and mesh is not None:
         size = runtime.axis_size(DATA)
         targets = put(pad_batch(targets, size), x.mesh, P(DATA if size > 1 else None))
 
     streams = run_layers(model, x.h, mask, runtime)
-    logits = _head(model, streams[-1])
-    if targets is None:
-        targets = jnp.argmax(logits, -1).astype(jnp.int32)
+    targets, logit = _head_targets(model, streams[-1], targets)
     extra = {"targets": targets}
     direction = _logit_direction(model, streams[-1], targets) if method == "logit" else None
-    whole = row_list is None and layer_list == tuple(range(n))
-    per_layer = []
-    for layer in layer_list:
-        if method == "grad_input":
-            s = grad_input_scores(model, streams[layer], layer, row_idx, targets, mask=mask, impl=runtime)
-            per_layer.append({"scores": s})
-            continue
-        per_layer.append(
-            _layer_attribution(
-                model.layers[layer],
-                streams[layer],
-                mask,
-                row_idx,
-                direction,
-                method=method,
-                mode=mode,
-                impl=runtime,
-                blocks=blocks,
-                aggregation=aggregation,
-                with_alti=method == "logit" and whole,
+    keep = (lambda a: a) if mesh is None else (lambda a: jax.tree.map(lambda v: v[: x.batch], gather(a)))
+    shape = (x.batch, len(layer_list), len(row_idx), L if top_k is None else top_k)
+    sink = StreamWriter(stream_to, shape, out_dtype) if stream_to is not None else None
+    show = progress if progress is not None else (L >= 1024 and len(layer_list) > 1)
+    scores, per_layer = [], []
+    with_alti = method == "logit" and whole
+    try:
+        for k, layer in enumerate(progress_bar(layer_list, desc=f"{method} layers", enabled=show)):
+            if method == "grad_input":
+                out = {"scores": grad_input_scores(model, streams[layer], layer, row_idx, targets, mask=mask,
+                                                   impl=runtime)}  # fmt: skip
+            else:
+                out = _layer_attribution(
+                    model.layers[layer], streams[layer], mask, row_idx, direction, method=method, mode=mode,
+                    impl=runtime, blocks=blocks, aggregation=aggregation, with_alti=with_alti,
+                )  # fmt: skip
+            out = keep(out)
+            s = out.pop("scores")
+            _check_finite(s, method, layer)
+            if top_k is not None:
+                s, sources = _top_k(s, top_k, row_idx, keep(mask))
+                out["sources"] = sources
+            s = s.astype(out_dtype)
+            if sink is not None:
+                sink.write(k, s)
+            else:
+                scores.append(s)
+            per_layer.append(out)
+        rows_valid = None if mask is None else mask[:, row_idx]
+        if method == "logit":
+            extra["direct"] = _masked(
+                jnp.einsum("bld,bld->bl", streams[0], direction)[:, row_idx], rows_valid
             )
+            extra["bias"] = jnp.stack([p["bias"] for p in per_layer], 1)
+            extra["logit"] = _masked(logit[:, row_idx], rows_valid)
+            if whole:
+                extra["alti"] = jnp.stack([p["alti"] for p in per_layer], 1)
+        if mode == "paper" and method not in ("hidden_attention", "grad_input"):
+            extra["approximation_error"] = jnp.stack([p["error"] for p in per_layer], 1)
+        if top_k is not None:
+            extra["sources"] = jnp.stack([p["sources"] for p in per_layer], 1)
+        extra = {k: (keep(v) if k in ("targets", "direct", "logit") else v) for k, v in extra.items()}
+        result = Attribution(
+            scores=None if sink is not None else jnp.stack(scores, 1),
+            tokens=keep(x.tokens),
+            extra=extra,
+            method=method,
+            mode=mode,
+            layers=layer_list,
+            rows=row_list,
+            model=getattr(model, "source", None) or "",
+            mask=keep(mask),
+            aggregation=aggregation if method == "hidden_attention" else None,
+            top_k=top_k,
         )
-    scores = jnp.stack([p["scores"] for p in per_layer], 1)
-    rows_valid = None if mask is None else mask[:, row_idx]
-    if method == "logit":
-        extra["direct"] = _masked(jnp.einsum("bld,bld->bl", streams[0], direction)[:, row_idx], rows_valid)
-        extra["bias"] = jnp.stack([p["bias"] for p in per_layer], 1)
-        logit = jnp.take_along_axis(logits, targets[..., None], -1)[..., 0][:, row_idx]
-        extra["logit"] = _masked(logit, rows_valid)
-        if whole:
-            extra["alti"] = jnp.stack([p["alti"] for p in per_layer], 1)
-    if mode == "paper" and method not in ("hidden_attention", "grad_input"):
-        extra["approximation_error"] = jnp.stack([p["error"] for p in per_layer], 1)
-    token_ids = x.tokens
-    if mesh is not None:  # one host-complete copy, without the prompts that padded the "data" axis
-        scores, extra, token_ids, mask = jax.tree.map(
-            lambda a: a[: x.batch], gather((scores, extra, token_ids, mask))
-        )
-    result = Attribution(
-        scores=scores,
-        tokens=token_ids,
-        extra=extra,
-        method=method,
-        mode=mode,
-        layers=layer_list,
-        rows=row_list,
-        model=getattr(model, "source", None) or "",
-        mask=mask,
-        aggregation=aggregation if method == "hidden_attention" else None,
-    )
-    result.check_finite()
-    return result
+        if sink is not None:
+            sink.finish(result.meta(), result.arrays())
+            return load_streamed(stream_to)
+        return result
+    except BaseException:
+        if sink is not None:
+            sink.abort()
+        raise
+
+
+OUT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _check_finite(s, method, layer) -> None:
+    """FloatingPointError naming the layer when its scores hold NaN/inf (concrete values only; one
+    boolean crosses to the host)."""
+    if not is_traced(s) and not bool(jnp.isfinite(s).all()):
+        raise FloatingPointError(f"non-finite {method} scores at layer(s) [{layer}]")
+
+
+def _top_k(s, k: int, rows, mask):
+    """The k largest scores per row (b, r, k) among its sources (j <= i, real) and their positions;
+    past a row's sources (and on padding rows) the score is 0 and the position -1."""
+    keep = kept_pairs(rows, s.shape[-1], mask)
+    values, sources = jax.lax.top_k(jnp.where(keep, s, -jnp.inf), k)
+    valid = jnp.arange(k)[None, None, :] < jnp.sum(keep, axis=-1, keepdims=True)
+    return jnp.where(valid, values, 0.0), jnp.where(valid, sources, -1).astype(jnp.int32)
+
+
+@jit_model_fn
+def _head_targets(model, h, targets):
+    """(targets (b, l), the logit of each target (b, l)) without the (b, l, v) logits: the head runs
+    over chunks of positions (memory.HEAD_CHUNK); targets None -> the model's own argmax."""
+    b, L, d = h.shape
+    q = min(HEAD_CHUNK, L)
+    pad = -L % q
+    hp = jnp.pad(h, ((0, 0), (0, pad), (0, 0))).reshape(b, -1, q, d).swapaxes(0, 1)  # (chunks, b, q, d)
+    given = targets is not None
+    tp = jnp.zeros((b, L + pad), jnp.int32) if not given else jnp.pad(targets, ((0, 0), (0, pad)))
+    tp = tp.reshape(b, -1, q).swapaxes(0, 1)
+
+    def chunk(args):
+        hc, tc = args
+        logits = model.head(hc)  # (b, q, v)
+        tc = tc if given else jnp.argmax(logits, -1).astype(jnp.int32)
+        return tc, jnp.take_along_axis(logits, tc[..., None], -1)[..., 0]
+
+    t, v = jax.lax.map(chunk, (hp, tp))
+    return t.swapaxes(0, 1).reshape(b, -1)[:, :L], v.swapaxes(0, 1).reshape(b, -1)[:, :L]
 
 
 def _masked(x, valid):
@@ -261,11 +357,6 @@ def _targets(target, B, L, vocab):
             f"target must be an int or int ids of shape {(B, L)}, found {t.dtype} {tuple(t.shape)}"
         )
     return jnp.asarray(t).astype(jnp.int32)
-
-
-@jit_model_fn
-def _head(model, h):
-    return model.head(h)
 
 
 @jit_model_fn

@@ -162,9 +162,7 @@ class MambaLM(nnx.Module):
         w = self.unembedding
         return jnp.matmul(self.final_hidden(h).astype(w.dtype), w.T, preferred_element_type=f32)
 
-    def forward(
-        self, tokens=None, *, mask=None, inputs_embeds=None, impl="auto", mesh=None
-    ) -> ModelOutput:
+    def forward(self, tokens=None, *, mask=None, inputs_embeds=None, impl="auto", mesh=None) -> ModelOutput:
         """Logits and every layer's residual stream (see :class:`ModelOutput`).
 
         tokens: int ids (b, l), or ``inputs_embeds`` (b, l, d) instead (the HF convention; h^0 is then

@@ -30,6 +30,9 @@ class Attribution:
     model's logit (all 0 on pad rows), "alti" (B, n_layers, L, L) for the rollout; for mode "paper":
     "approximation_error" (B, n_layers) = per prompt, the mean over its real positions i of
     ||o_i - beta_i - sum_j T_i(x_j)|| / ||o_i|| (beta_i = the out_proj bias).
+    top_k: when set, ``scores`` are (B, n_layers, R, top_k), the strongest sources of each target row in
+    decreasing order, and ``extra["sources"]`` (same shape, int32) their positions (-1 where a row has
+    fewer sources than top_k, with score 0).
     """
 
     scores: jax.Array
@@ -42,6 +45,7 @@ class Attribution:
     model: str = dataclasses.field(metadata=dict(static=True))
     mask: jax.Array | None = None
     aggregation: str | None = dataclasses.field(default=None, metadata=dict(static=True))
+    top_k: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     def check_finite(self) -> None:
         """Raise FloatingPointError naming the layers whose scores hold NaN/inf (concrete inputs only;
@@ -63,6 +67,8 @@ class Attribution:
         """
         if self.method not in ROLLOUT_METHODS:
             raise ValueError(f"rollout is defined for {ROLLOUT_METHODS}, not {self.method!r}")
+        if self.top_k is not None:
+            raise ValueError("rollout needs whole score matrices, not top_k sources (call without top_k)")
         if self.method == "hidden_attention" and self.aggregation == "signed":
             raise ValueError(
                 "rollout needs non-negative maps: the 'signed' hidden-attention aggregation has negative "
@@ -102,11 +108,11 @@ class Attribution:
             return eye[None, None]
         return (eye * self.mask[:, None, :].astype(eye.dtype))[:, None]
 
-    def save(self, path) -> None:
-        """Write one self-describing .npz (arrays + JSON metadata) atomically."""
+    def meta(self) -> dict:
+        """The JSON-safe metadata written beside the arrays."""
         from latim_jax import __version__
 
-        meta = {
+        return {
             "format": FORMAT,
             "method": self.method,
             "mode": self.mode,
@@ -116,22 +122,35 @@ class Attribution:
             "library_version": __version__,
             "extra_keys": sorted(self.extra),
             "aggregation": self.aggregation,
+            "top_k": self.top_k,
             "has_tokens": self.tokens is not None,
             "has_mask": self.mask is not None,
         }
-        arrays = {"scores": np.asarray(self.scores)}
+
+    def arrays(self) -> dict:
+        """Tokens, mask and extras as named host arrays (everything but the scores)."""
+        out = {}
         if self.tokens is not None:
-            arrays["tokens"] = np.asarray(self.tokens)
+            out["tokens"] = np.asarray(self.tokens)
         if self.mask is not None:
-            arrays["mask"] = np.asarray(self.mask)
-        arrays.update({f"extra__{k}": np.asarray(v) for k, v in self.extra.items()})
-        arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+            out["mask"] = np.asarray(self.mask)
+        out.update({f"extra__{k}": np.asarray(v) for k, v in self.extra.items()})
+        return out
+
+    def save(self, path) -> None:
+        """Write one self-describing .npz (arrays + JSON metadata) atomically."""
+        arrays = {"scores": np.asarray(self.scores), **self.arrays()}
+        arrays["meta"] = np.frombuffer(json.dumps(self.meta()).encode(), dtype=np.uint8)
         write_npz_atomic(path, arrays)
 
     @classmethod
     def load(cls, path) -> Attribution:
-        """Read a file written by :meth:`save`."""
+        """Read a file written by :meth:`save` (or a directory written by ``attribute(stream_to=...)``)."""
         path = os.fspath(path)
+        if os.path.isdir(path):
+            from latim_jax.stream import load_streamed
+
+            return load_streamed(path)
         try:
             with np.load(path, allow_pickle=False) as z:
                 meta = json.loads(bytes(z["meta"]).decode())
@@ -143,6 +162,7 @@ class Attribution:
                     tokens=jnp.asarray(z["tokens"]) if meta.get("has_tokens", True) else None,
                     mask=jnp.asarray(z["mask"]) if meta.get("has_mask", False) else None,
                     aggregation=meta.get("aggregation"),
+                    top_k=meta.get("top_k"),
                     extra=extra,
                     method=meta["method"],
                     mode=meta["mode"],
