@@ -18,6 +18,7 @@ import math
 import numpy as np
 
 from latim_jax import metrics, tasks
+from latim_jax.progress import progress
 
 # (column name, method, mode): mode None for baselines that have no decomposition mode
 METHODS = (
@@ -92,6 +93,8 @@ def evaluate(
     if not task or task.get("name") not in tasks.TASK_FIELDS:
         raise ValueError(f"evaluate needs a copy or mqar task: the model has {task!r} (pass task=...)")
     task = tasks.task_fields(task)
+    if n_sequences < 1 or batch_size < 1:
+        raise ValueError(f"n_sequences and batch_size must be >= 1, found {n_sequences}, {batch_size}")
     if gold not in ("key", "value") or (gold == "value" and task["name"] != "mqar"):
         raise ValueError(f"gold must be 'key' (or 'value' for mqar), found {gold!r} for {task['name']}")
     batch = held_out(task, n_sequences, seed)
@@ -99,7 +102,7 @@ def evaluate(
     n_layers = model.config.n_layers
     maps = {name: {"layers": [[] for _ in range(n_layers)], "aggregate": []} for name, _, _ in methods}
     approx = []  # per batch: (n_layers,) paper-mode E times the batch's number of sequences
-    for start in range(0, n_sequences, batch_size):
+    for start in progress(range(0, n_sequences, batch_size), desc=f"evaluate {task['name']}", unit="batch"):
         toks = batch.tokens[start : start + batch_size]
         targets = batch.targets[start : start + batch_size]
         batch_approx = None
@@ -212,7 +215,7 @@ def compare_models(
         raise ValueError("compare_models needs at least one model")
     task = task or next(iter(models.values())).task  # one task for all: the same held-out sequences
     out = {}
-    for label, model in models.items():
+    for label, model in progress(models.items(), total=len(models), desc="models", unit="model"):
         report = evaluate(
             model, task, n_sequences=n_sequences, batch_size=batch_size, seed=seed, methods=methods
         )
@@ -260,17 +263,25 @@ def _best(report, column):
     return f"{row['best']['auc']:.3f} ({row['best_layer']})"
 
 
-def add_evaluate_parser(sub) -> None:
+def add_evaluate_parser(sub, parents=()) -> None:
     """Register ``latim-jax evaluate TASK`` on the CLI's subparsers."""
-    p = sub.add_parser("evaluate", help="attribution quality on a task with known gold sources")
-    p.add_argument("task", choices=("copy", "mqar"))
-    p.add_argument(
-        "--model", default=None, help="default: the shipped model for TASK of --version (copy-mamba2, ...)"
+    from latim_jax.cli_args import positive_int
+
+    p = sub.add_parser(
+        "evaluate", parents=list(parents), help="attribution quality on a task with known gold sources"
     )
-    p.add_argument("--version", type=int, default=2, choices=(1, 2))
-    p.add_argument("--n", type=int, default=64, help="held-out sequences")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--seed", type=int, default=10_000)
+    p.add_argument("task", choices=("copy", "mqar"))
+    p.add_argument("--model", default=None, help="a model trained on TASK (default: the shipped one)")
+    p.add_argument(
+        "--version",
+        type=int,
+        default=None,
+        choices=(1, 2),
+        help="pick the shipped model TASK-mamba1 or TASK-mamba2 (default 2; not with --model)",
+    )
+    p.add_argument("--n", type=positive_int, default=64, help="held-out sequences (default 64)")
+    p.add_argument("--batch-size", type=positive_int, default=16, help="sequences per batch (default 16)")
+    p.add_argument("--seed", type=int, default=10_000, help="seed of the held-out sequences")
     p.add_argument(
         "--gold",
         default="key",
@@ -286,19 +297,25 @@ def add_evaluate_parser(sub) -> None:
     )
     p.add_argument("--out", default=None, help="write the full report as JSON")
     p.add_argument("--markdown", default=None, help="write the table as markdown")
+    p.add_argument("--force", action="store_true", help="replace existing --out/--markdown files")
     p.set_defaults(func=_cmd_evaluate)
 
 
 def _cmd_evaluate(args) -> None:
-    import latim_jax
+    from latim_jax.cli import load_model
+    from latim_jax.cli_args import UsageError, check_outputs
     from latim_jax.results import write_bytes_atomic
 
-    model = latim_jax.load(args.model or f"{args.task}-mamba{args.version}")
+    if args.model is not None and args.version is not None:
+        raise UsageError("--version picks a shipped model; it cannot be combined with --model")
+    if args.gold == "value" and args.task != "mqar":
+        raise UsageError("--gold value applies to the mqar task only")
+    check_outputs({"--out": args.out, "--markdown": args.markdown}, args.force)
+    model = load_model(args.model or f"{args.task}-mamba{args.version or 2}")
     task = model.task
     if not task or task.get("name") != args.task:
-        raise SystemExit(
-            f"error: model {model.source!r} was not trained on the {args.task} task (task: {task})"
-        )
+        trained = f"the {task.get('name')!r} task" if task else "no task"
+        raise UsageError(f"model {model.source!r} was trained on {trained}, not {args.task!r}")
     try:
         methods = METHODS if args.methods is None else [m for m in METHODS if m[1] in args.methods]
         report = evaluate(
@@ -311,7 +328,7 @@ def _cmd_evaluate(args) -> None:
             methods=methods,
         )
     except ValueError as err:
-        raise SystemExit(f"error: {err}") from err
+        raise UsageError(str(err)) from err
     table = format_table(report)
     print(table)
     if args.out:
