@@ -105,8 +105,8 @@ def test_cli_evaluate_mqar_model(tmp_path, capsys):
     report = json.loads(js.read_text())
     assert report["task"]["name"] == "mqar"
     assert set(report["rows"]) == {"LaTIM l2 (exact)", "LaTIM l2 (paper)", "hidden attention", "random"}
-    assert main(argv + ["--gold", "value"]) == 0
+    assert main(argv + ["--gold", "value", "--force"]) == 0  # replaces the files
     report = json.loads(js.read_text())
     assert report["gold"] == "value" and "the value position" in md.read_text()
-    with pytest.raises(SystemExit, match="not trained on the copy task"):
-        main(["evaluate", "copy", "--model", str(ckpt), "--n", "4"])
+    assert main(["evaluate", "copy", "--model", str(ckpt), "--n", "4"]) == 2
+    assert "trained on the 'mqar' task, not 'copy'" in capsys.readouterr().err
