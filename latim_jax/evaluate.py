@@ -32,7 +32,7 @@ METHODS = (
     ("grad x input", "grad_input", None),
 )
 
-# latim-math.md section 7: AUC on the copying task
+# docs/method.md section 11: the paper's AUC on the copying task
 PAPER_AUC = {
     (2, "LaTIM l2"): 0.98,
     (1, "LaTIM alti"): 0.86,
@@ -179,11 +179,12 @@ def format_table(report: dict) -> str:
         "",
         "AUC: per-row Mann-Whitney AUC of the gold source among candidates j <= i, averaged over rows; "
         "pooled AUC: over all rows' candidates together. Aggregate: rollout for alti/hidden attention/logit, "
-        "sum of row-normalised maps for l2/grad x input. Paper AUC: latim-math.md section 7 (copy only).",
+        "sum of row-normalised maps for l2/grad x input (docs/method.md section 10). "
+        "Paper AUC: docs/method.md section 11 (copy only).",
     ]
     if report.get("approximation_error"):
         errs = ", ".join(f"{e:.3f}" for e in report["approximation_error"])
-        lines.append(f"Paper-mode approximation error E per layer (docs: latim-math.md section 3): {errs}.")
+        lines.append(f"Paper-mode approximation error E per layer (docs/method.md section 4): {errs}.")
     return "\n".join(lines)
 
 
@@ -253,7 +254,7 @@ def format_comparison_table(reports: dict) -> str:
         f"Task {first['task']['name']}, {first['n_sequences']} held-out sequences (seed {first['seed']}). "
         "AUC: per-row AUC of the gold source at the best single layer (layer in brackets). Exact "
         "conservation: max over layers of max_i ||sum_j T_i(x_j) + beta_i - o_i|| / max_i ||o_i||. Paper E: "
-        "mean_i ||o_i - b_out - sum_j T_i(x_j)|| / ||o_i|| (latim-math.md section 3).",
+        "mean_i ||o_i - b_out - sum_j T_i(x_j)|| / ||o_i|| (docs/method.md section 4).",
     ]
     return "\n".join(lines)
 

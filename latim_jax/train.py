@@ -1,6 +1,6 @@
 """Training small Mamba LMs from scratch on the synthetic tasks of :mod:`latim_jax.tasks`.
 
-The copy models are what the paper's copying evaluation attributes (docs/latim-math.md, section 7):
+The copy models are what the paper's copying evaluation attributes (docs/method.md, section 10):
 train with :func:`train_from_config` (or ``scripts/train_copy.py CONFIG OUT``), read back with
 :func:`load_trained`.
 
@@ -123,7 +123,7 @@ class TrainResult:
 
 
 def mimetic_init(params: dict, config: MambaConfig, *, a_log_scale: float = MIMETIC_A_LOG_SCALE) -> dict:
-    """Mimetic initialisation (section 7 of docs/latim-math.md) applied to a parameter tree; returns a
+    """Mimetic initialisation (docs/method.md, section 10) applied to a parameter tree; returns a
     new tree (numpy), the input is not modified.
 
     Per layer: A_log <- a_log_scale * A_log (slow decays); the dt projection weight 0 and dt bias
