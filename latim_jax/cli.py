@@ -317,7 +317,7 @@ def build_parser() -> Parser:
     k.add_argument("--model", required=True, help=model_help)
     k.add_argument("--length", type=positive_int, default=16, help="tokens per sequence (default 16)")
     k.add_argument("--batch", type=positive_int, default=1, help="random sequences (default 1)")
-    k.add_argument("--seed", type=int, default=0)
+    k.add_argument("--seed", type=nonnegative_int, default=0)
     k.add_argument(
         "--tolerance",
         type=positive_float,
@@ -346,7 +346,7 @@ def build_parser() -> Parser:
     )
     a.add_argument("--layers", default=None, help="layers to score, e.g. '0 3' (default all)")
     a.add_argument("--rows", default=None, help="target positions to score, e.g. '-1' (default all)")
-    a.add_argument("--seed", type=int, default=0, help="seed of the default prompt")
+    a.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the default prompt")
     a.add_argument("--out", default="attribution.npz", help="scores file (.npz, default attribution.npz)")
     a.add_argument(
         "--plot", default=None, help="heatmap grid; the extension picks the format (.png, .jpg, .svg, .pdf)"
@@ -364,7 +364,7 @@ def build_parser() -> Parser:
     g.add_argument(
         "--temperature", type=nonnegative_float, default=0.0, help="0 = greedy (default); > 0 samples"
     )
-    g.add_argument("--seed", type=int, default=0, help="sampling seed")
+    g.add_argument("--seed", type=nonnegative_int, default=0, help="sampling seed")
     g.add_argument("--words", action="store_true", help="print words instead of ids")
     g.set_defaults(func=cmd_generate)
 
@@ -405,6 +405,9 @@ def main(argv=None) -> int:
     except (UsageError, CheckpointError, OSError) as err:
         print(f"error: {_one_line(err)}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
     finally:
         progress.set_quiet(False)
     return EXIT_OK

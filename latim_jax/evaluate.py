@@ -266,7 +266,7 @@ def _best(report, column):
 
 def add_evaluate_parser(sub, parents=()) -> None:
     """Register ``latim-jax evaluate TASK`` on the CLI's subparsers."""
-    from latim_jax.cli_args import positive_int
+    from latim_jax.cli_args import nonnegative_int, positive_int
 
     p = sub.add_parser(
         "evaluate", parents=list(parents), help="attribution quality on a task with known gold sources"
@@ -282,7 +282,7 @@ def add_evaluate_parser(sub, parents=()) -> None:
     )
     p.add_argument("--n", type=positive_int, default=64, help="held-out sequences (default 64)")
     p.add_argument("--batch-size", type=positive_int, default=16, help="sequences per batch (default 16)")
-    p.add_argument("--seed", type=int, default=10_000, help="seed of the held-out sequences")
+    p.add_argument("--seed", type=nonnegative_int, default=10_000, help="seed of the held-out sequences")
     p.add_argument(
         "--gold",
         default="key",

@@ -34,7 +34,8 @@ def resolve(source: str | os.PathLike | None) -> Path:
 
     A string that is neither an existing path nor a hub id (no "/"), or that is close to a shipped
     name, fails at once with :class:`~latim_jax.convert.SourceUnavailableError` suggesting the shipped
-    names, without contacting the hub.
+    names, without contacting the hub; so does "a/b" when a local directory "a" exists (a mistyped
+    local path, not a hub id).
     """
     from latim_jax.convert import SourceUnavailableError, resolve_source
 
@@ -50,6 +51,8 @@ def resolve(source: str | os.PathLike | None) -> Path:
             )
         return path.resolve()
     text = os.fspath(source)
+    if "/" in text and Path(text.split("/")[0]).expanduser().is_dir():  # "runs/x" with a local runs/
+        raise SourceUnavailableError("no such checkpoint directory", file=source, expected="a directory")
     close = difflib.get_close_matches(text, SHIPPED, n=2, cutoff=0.75)
     if close or "/" not in text:
         hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from latim_jax import progress
 from latim_jax.cli import load_model
-from latim_jax.cli_args import EXIT_OK, EXIT_USAGE, UsageError, check_outputs, positive_int
+from latim_jax.cli_args import EXIT_OK, EXIT_USAGE, UsageError, check_outputs, nonnegative_int, positive_int
 from latim_jax.evaluate import LATIM_METHODS, compare_models, format_comparison_table
 from latim_jax.results import write_bytes_atomic
 
@@ -28,7 +28,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sources", nargs="+", help="models (shipped names or directories)")
     parser.add_argument("--n", type=positive_int, default=128, help="held-out sequences")
-    parser.add_argument("--seed", type=int, default=10_000)
+    parser.add_argument("--seed", type=nonnegative_int, default=10_000)
     parser.add_argument(
         "--methods", nargs="+", default=None, choices=("l2", "alti", "logit"), help="default: all three"
     )

@@ -86,6 +86,7 @@ def test_choices_equal_the_api(capsys):
         (["attribute", "--model", "ck", "--tokens", "1 x"], ["--tokens", "integers"]),
         (["attribute", "--model", "ck/latim_config.json", "--tokens", "1"], ["a file", "directory"]),
         (["attribute", "--model", "nowhere", "--tokens", "1"], ["nowhere", "shipped models"]),
+        (["attribute", "--model", "ck", "--seed", "-1"], ["--seed", ">= 0"]),
         (["generate", "--model", "ck", "--tokens", "1", "--max-new-tokens", "-1"], ["--max-new-tokens"]),
         (["generate", "--model", "ck", "--tokens", "1", "--temperature", "nan"], ["--temperature", "nan"]),
         (["generate", "--model", "ck", "--tokens", "1", "--temperature", "-1"], ["--temperature"]),
@@ -146,6 +147,18 @@ def test_shipped_name_typo_suggests_at_once_without_the_hub(here, capsys, monkey
         assert rc == EXIT_USAGE and time.monotonic() - start < 5
         assert f"'{suggestion}'" in err if suggestion else "shipped models: copy-mamba1" in err
         assert "owner/name" in err
+
+
+def test_mistyped_local_path_does_not_reach_the_hub(here, capsys, monkeypatch):
+    import huggingface_hub
+
+    def no_hub(*a, **k):
+        raise AssertionError("a path under a local directory must not reach the hub")
+
+    for name in ("snapshot_download", "model_info", "list_repo_files"):
+        monkeypatch.setattr(huggingface_hub, name, no_hub)
+    rc, err = run(["info", "ck/nope"], capsys)
+    assert rc == EXIT_USAGE and "ck/nope" in err and "no such checkpoint directory" in err
 
 
 def test_hub_id_fails_fast_and_clearly_offline(here, capsys, monkeypatch):
