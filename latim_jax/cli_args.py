@@ -30,7 +30,8 @@ class RunFailed(Exception):
 class Parser(argparse.ArgumentParser):
     """argparse, but a bad argument prints one line (``error: ...``) instead of the usage block."""
 
-    def error(self, message: str):  # noqa: D102 - argparse's hook
+    def error(self, message: str):
+        """argparse's hook for a bad argument: print one line, exit with EXIT_USAGE."""
         self.exit(EXIT_USAGE, f"error: {message} (see '{self.prog} --help')\n")
 
 

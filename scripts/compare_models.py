@@ -25,6 +25,7 @@ from latim_jax.results import write_bytes_atomic
 
 
 def main(argv=None) -> int:
+    """Run the script on ``argv`` (default: the command line); returns the exit code."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sources", nargs="+", help="models (shipped names or directories)")
     parser.add_argument("--n", type=positive_int, default=128, help="held-out sequences")

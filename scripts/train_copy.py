@@ -19,6 +19,7 @@ from latim_jax.train import train_from_config
 
 
 def main(argv=None) -> int:
+    """Run the script on ``argv`` (default: the command line); returns the exit code."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config", help="training config JSON (configs/*.json)")
     parser.add_argument("out", help="output directory (replaced atomically)")

@@ -16,7 +16,17 @@ from latim_jax.loading import ASSETS, SHIPPED
 ROOT = Path(__file__).resolve().parents[1]
 METHOD = ROOT / "docs" / "method.md"
 TEXT_SUFFIXES = {".py", ".md", ".ipynb", ".toml", ".json", ".txt", ".in"}
-SKIP_DIRS = {".git", ".venv", ".venv312", ".venv-ci", ".venv-ci312", "build", "__pycache__", ".pytest_cache"}
+PROJECT_DIRS = (
+    "latim_jax",
+    "kernels",
+    "convert",
+    "tests",
+    "scripts",
+    "notebooks",
+    "benchmarks",
+    "docs",
+    "configs",
+)
 # files the lead edits in the same round: their citations move to docs/method.md when merging
 # (remove each entry once its file cites docs/method.md)
 PENDING = {
@@ -28,11 +38,12 @@ PENDING = {
 
 
 def text_files():
-    for path in ROOT.rglob("*"):
+    """(relative path, text) of the project's own text files (not virtual environments or outputs)."""
+    paths = [p for p in ROOT.iterdir() if p.is_file()]
+    paths += [p for d in PROJECT_DIRS for p in (ROOT / d).rglob("*") if p.is_file()]
+    for path in paths:
         rel = path.relative_to(ROOT)
-        if rel.parts[0] in SKIP_DIRS or rel.parts[0].endswith(".egg-info") or not path.is_file():
-            continue
-        if path.suffix in TEXT_SUFFIXES and "assets" not in rel.parts:
+        if path.suffix in TEXT_SUFFIXES and "assets" not in rel.parts and "__pycache__" not in rel.parts:
             yield rel.as_posix(), path.read_text(errors="replace")
 
 
