@@ -1,4 +1,4 @@
-"""Fused LaTIM scores: one layer's per-pair scores without ever writing T (latim-math.md, sections 4, 6).
+"""Fused LaTIM scores: one layer's per-pair scores without ever writing T (docs/method.md, sections 5 and 9).
 
 For target rows i (a subset ``rows`` of positions) and every source j, with the factors of
 :class:`latim_jax.decomposition.LayerFactors`:

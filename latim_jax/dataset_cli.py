@@ -19,12 +19,14 @@ def model_tokenizer(model):
     return lambda text: tok.encode(text).ids
 
 
-def add_dataset_parser(sub) -> None:
+def add_dataset_parser(sub, parents=()) -> None:
     """Register ``latim-jax attribute-dataset`` on the CLI's subparsers."""
+    from latim_jax.cli_args import positive_int
     from latim_jax.scores import AGGREGATIONS, METHODS
 
     p = sub.add_parser(
         "attribute-dataset",
+        parents=list(parents),
         help="attribute every prompt of a file into a directory of shards (resumable)",
         description=(
             'Attribute every prompt of a .jsonl file ({"id": ..., "text"|"tokens": ...} per line) or a '
@@ -41,28 +43,19 @@ def add_dataset_parser(sub) -> None:
     p.add_argument("--aggregation", default="minmax", choices=AGGREGATIONS, help="hidden attention only")
     p.add_argument("--layers", default=None, help="layer indices, e.g. '0 3' (default: all)")
     p.add_argument("--rows", default="all", choices=("all", "last"), help="every target row or the last")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--max-length", type=int, default=None, help="longer prompts are bad lines")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="prompts per batch (default 8)")
+    p.add_argument("--max-length", type=positive_int, default=None, help="longer prompts are bad lines")
     p.add_argument("--on-bad-line", default="fail", choices=("skip", "fail"))
     p.add_argument("--impl", default="auto", choices=("auto", "xla", "pallas"))
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_attribute_dataset)
 
 
 def _cmd_attribute_dataset(args) -> None:
-    import latim_jax
+    from latim_jax.cli import load_model
+    from latim_jax.cli_args import UsageError, parse_ints
 
-    if args.batch_size < 1:
-        raise SystemExit(f"error: --batch-size must be a positive int, found {args.batch_size}")
-    if args.max_length is not None and args.max_length < 1:
-        raise SystemExit(f"error: --max-length must be a positive int, found {args.max_length}")
-    layers = None
-    if args.layers:
-        try:
-            layers = [int(x) for x in args.layers.replace(",", " ").split()]
-        except ValueError:
-            raise SystemExit(f"error: --layers must be integers, found {args.layers!r}") from None
-    model = latim_jax.load(args.model)
+    layers = parse_ints(args.layers, "--layers") if args.layers else None
+    model = load_model(args.model)
     try:
         from latim_jax.inputs import check_layers
 
@@ -86,10 +79,9 @@ def _cmd_attribute_dataset(args) -> None:
             batch_size=args.batch_size,
             aggregation=args.aggregation,
             impl=args.impl,
-            progress=None if not args.quiet else False,
         )
     except (DatasetError, ValueError) as err:
-        raise SystemExit(f"error: {err}") from err
+        raise UsageError(str(err)) from err
     print(
         f"{args.out}: {counts['computed']} prompts attributed, {counts['done_before']} already there, "
         f"{counts['total']} in all ({counts['shards']} shards)"

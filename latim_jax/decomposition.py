@@ -1,4 +1,4 @@
-"""LaTIM: one Mamba layer's output written as a sum over source tokens (see latim-math.md, sections 1-3).
+"""LaTIM: one Mamba layer's output written as a sum over source tokens (docs/method.md, sections 2-4).
 
 For target i and source j (shape letters: see latim_jax.config; K conv width, w_k the conv taps in
 lag order, w_k = conv_w[K-1-k]):

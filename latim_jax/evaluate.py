@@ -20,6 +20,7 @@ import math
 import numpy as np
 
 from latim_jax import metrics, tasks
+from latim_jax.progress import progress
 
 # (column name, method, mode, extra attribute() keywords): mode None for baselines without a mode
 METHODS = (
@@ -35,7 +36,7 @@ METHODS = (
     ("grad x input", "grad_input", None, {}),
 )
 
-# latim-math.md section 7: AUC on the copying task
+# docs/method.md section 11: the paper's AUC on the copying task
 PAPER_AUC = {
     (2, "LaTIM l2"): 0.98,
     (1, "LaTIM alti"): 0.86,
@@ -99,6 +100,8 @@ def evaluate(
     if not task or task.get("name") not in tasks.TASK_FIELDS:
         raise ValueError(f"evaluate needs a copy or mqar task: the model has {task!r} (pass task=...)")
     task = tasks.task_fields(task)
+    if n_sequences < 1 or batch_size < 1:
+        raise ValueError(f"n_sequences and batch_size must be >= 1, found {n_sequences}, {batch_size}")
     if gold not in ("key", "value") or (gold == "value" and task["name"] != "mqar"):
         raise ValueError(f"gold must be 'key' (or 'value' for mqar), found {gold!r} for {task['name']}")
     batch = held_out(task, n_sequences, seed)
@@ -107,7 +110,7 @@ def evaluate(
     maps = {name: {"layers": [[] for _ in range(n_layers)], "aggregate": []} for name, *_ in methods}
     approx = []  # per batch: (n_layers,) paper-mode E summed over the batch's real tokens
     real = np.arange(batch.tokens.shape[1])[None, :] < batch.lengths[:, None]  # right padding
-    for start in range(0, n_sequences, batch_size):
+    for start in progress(range(0, n_sequences, batch_size), desc=f"evaluate {task['name']}", unit="batch"):
         toks = batch.tokens[start : start + batch_size]
         targets = batch.targets[start : start + batch_size]
         mask = real[start : start + batch_size]
@@ -188,11 +191,12 @@ def format_table(report: dict) -> str:
         "",
         "AUC: per-row Mann-Whitney AUC of the gold source among candidates j <= i, averaged over rows; "
         "pooled AUC: over all rows' candidates together. Aggregate: rollout for alti/hidden attention/logit, "
-        "sum of row-normalised maps for l2/grad x input. Paper AUC: latim-math.md section 7 (copy only).",
+        "sum of row-normalised maps for l2/grad x input (docs/method.md section 10). "
+        "Paper AUC: docs/method.md section 11 (copy only).",
     ]
     if report.get("approximation_error"):
         errs = ", ".join(f"{e:.3f}" for e in report["approximation_error"])
-        lines.append(f"Paper-mode approximation error E per layer (docs: latim-math.md section 3): {errs}.")
+        lines.append(f"Paper-mode approximation error E per layer (docs/method.md section 4): {errs}.")
     return "\n".join(lines)
 
 
@@ -224,7 +228,7 @@ def compare_models(
         raise ValueError("compare_models needs at least one model")
     task = task or next(iter(models.values())).task  # one task for all: the same held-out sequences
     out = {}
-    for label, model in models.items():
+    for label, model in progress(models.items(), total=len(models), desc="models", unit="model"):
         report = evaluate(
             model, task, n_sequences=n_sequences, batch_size=batch_size, seed=seed, methods=methods
         )
@@ -262,7 +266,7 @@ def format_comparison_table(reports: dict) -> str:
         f"Task {first['task']['name']}, {first['n_sequences']} held-out sequences (seed {first['seed']}). "
         "AUC: per-row AUC of the gold source at the best single layer (layer in brackets). Exact "
         "conservation: max over layers of max_i ||sum_j T_i(x_j) + beta_i - o_i|| / max_i ||o_i||. Paper E: "
-        "mean_i ||o_i - b_out - sum_j T_i(x_j)|| / ||o_i|| (latim-math.md section 3).",
+        "mean_i ||o_i - b_out - sum_j T_i(x_j)|| / ||o_i|| (docs/method.md section 4).",
     ]
     return "\n".join(lines)
 
@@ -272,17 +276,25 @@ def _best(report, column):
     return f"{row['best']['auc']:.3f} ({row['best_layer']})"
 
 
-def add_evaluate_parser(sub) -> None:
+def add_evaluate_parser(sub, parents=()) -> None:
     """Register ``latim-jax evaluate TASK`` on the CLI's subparsers."""
-    p = sub.add_parser("evaluate", help="attribution quality on a task with known gold sources")
-    p.add_argument("task", choices=("copy", "mqar"))
-    p.add_argument(
-        "--model", default=None, help="default: the shipped model for TASK of --version (copy-mamba2, ...)"
+    from latim_jax.cli_args import nonnegative_int, positive_int
+
+    p = sub.add_parser(
+        "evaluate", parents=list(parents), help="attribution quality on a task with known gold sources"
     )
-    p.add_argument("--version", type=int, default=2, choices=(1, 2))
-    p.add_argument("--n", type=int, default=64, help="held-out sequences")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--seed", type=int, default=10_000)
+    p.add_argument("task", choices=("copy", "mqar"))
+    p.add_argument("--model", default=None, help="a model trained on TASK (default: the shipped one)")
+    p.add_argument(
+        "--version",
+        type=int,
+        default=None,
+        choices=(1, 2),
+        help="pick the shipped model TASK-mamba1 or TASK-mamba2 (default 2; not with --model)",
+    )
+    p.add_argument("--n", type=positive_int, default=64, help="held-out sequences (default 64)")
+    p.add_argument("--batch-size", type=positive_int, default=16, help="sequences per batch (default 16)")
+    p.add_argument("--seed", type=nonnegative_int, default=10_000, help="seed of the held-out sequences")
     p.add_argument(
         "--gold",
         default="key",
@@ -298,19 +310,25 @@ def add_evaluate_parser(sub) -> None:
     )
     p.add_argument("--out", default=None, help="write the full report as JSON")
     p.add_argument("--markdown", default=None, help="write the table as markdown")
+    p.add_argument("--force", action="store_true", help="replace existing --out/--markdown files")
     p.set_defaults(func=_cmd_evaluate)
 
 
 def _cmd_evaluate(args) -> None:
-    import latim_jax
+    from latim_jax.cli import load_model
+    from latim_jax.cli_args import UsageError, check_outputs
     from latim_jax.results import write_bytes_atomic
 
-    model = latim_jax.load(args.model or f"{args.task}-mamba{args.version}")
+    if args.model is not None and args.version is not None:
+        raise UsageError("--version picks a shipped model; it cannot be combined with --model")
+    if args.gold == "value" and args.task != "mqar":
+        raise UsageError("--gold value applies to the mqar task only")
+    check_outputs({"--out": args.out, "--markdown": args.markdown}, args.force)
+    model = load_model(args.model or f"{args.task}-mamba{args.version or 2}")
     task = model.task
     if not task or task.get("name") != args.task:
-        raise SystemExit(
-            f"error: model {model.source!r} was not trained on the {args.task} task (task: {task})"
-        )
+        trained = f"the {task.get('name')!r} task" if task else "no task"
+        raise UsageError(f"model {model.source!r} was trained on {trained}, not {args.task!r}")
     try:
         methods = METHODS if args.methods is None else [m for m in METHODS if m[1] in args.methods]
         report = evaluate(
@@ -323,7 +341,7 @@ def _cmd_evaluate(args) -> None:
             methods=methods,
         )
     except ValueError as err:
-        raise SystemExit(f"error: {err}") from err
+        raise UsageError(str(err)) from err
     table = format_table(report)
     print(table)
     if args.out:

@@ -1,7 +1,7 @@
 """Per-layer token-to-token scores, evaluated in blocks so the (l, l, d) tensor never exists.
 
 Row i = target position, column j = source. With T_{ij} = T_i(x_j) (latim_jax.decomposition), the
-residual h_i entering the layer and hout_i = h_i + o_i (latim-math.md, section 4):
+residual h_i entering the layer and hout_i = h_i + o_i (docs/method.md, section 5):
 
     l2     c_ij = ||T_ij||_2                 l1  c_ij = ||T_ij||_1
     alti   c_ij = max(0, ||hout_i||_1 - ||hout_i - T'_ij||_1), T'_ij = T_ij + [i=j] h_i, rows sum to 1

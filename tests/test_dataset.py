@@ -81,7 +81,7 @@ def _direct(model, tokens, rows, method="alti"):
     return latim_jax.attribute(model, np.asarray([tokens]), method=method, rows=rows)
 
 
-def test_text_file_run_equals_direct_attribution(ckpt, tmp_path, monkeypatch):
+def test_text_file_run_equals_direct_attribution(ckpt, tmp_path, monkeypatch, capsys):
     from latim_jax.cli import main
 
     monkeypatch.chdir(tmp_path)

@@ -123,8 +123,8 @@ def test_cli_evaluate_mqar_model(tmp_path, capsys):
     assert report["task"]["name"] == "mqar"
     ha = {f"hidden attention ({a})" for a in ("minmax", "abs", "signed")}
     assert set(report["rows"]) == {"LaTIM l2 (exact)", "LaTIM l2 (paper)", "random"} | ha
-    assert main(argv + ["--gold", "value"]) == 0
+    assert main(argv + ["--gold", "value", "--force"]) == 0  # replaces the files
     report = json.loads(js.read_text())
     assert report["gold"] == "value" and "the value position" in md.read_text()
-    with pytest.raises(SystemExit, match="not trained on the copy task"):
-        main(["evaluate", "copy", "--model", str(ckpt), "--n", "4"])
+    assert main(["evaluate", "copy", "--model", str(ckpt), "--n", "4"]) == 2
+    assert "trained on the 'mqar' task, not 'copy'" in capsys.readouterr().err

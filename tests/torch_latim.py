@@ -1,7 +1,7 @@
 """An independent, plainly written PyTorch LaTIM (float64, explicit loops, everything materialised).
 
 It reads each layer's input and mixer output from a transformers model through forward hooks and
-rebuilds the decomposition from the module's own weights, following latim-math.md literally. It
+rebuilds the decomposition from the module's own weights, following docs/method.md literally. It
 shares no code with latim_jax.
 """
 
