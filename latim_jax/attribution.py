@@ -142,6 +142,7 @@ def attribute(
     stream_to=None,
     memory_limit="auto",
     progress: bool | None = None,
+    hold_fixed: bool = False,
 ) -> Attribution:
     """Token-to-token attribution scores for every (or the selected) layer of a Mamba model.
 
@@ -181,6 +182,11 @@ def attribute(
         refused with an error naming the options that do (rows=[-1], fewer layers, top_k, bf16
         output, streaming, a smaller batch).
       progress: a progress bar over layers on stderr (None: when stderr is a terminal and L >= 1024).
+      hold_fixed: gradients only. False (default): ``jax.grad`` of a score is the true gradient,
+        through everything the score depends on. True: no gradient through the quantities LaTIM
+        holds fixed in the scored layer (Delta, B, C, the activation gate, the output gate / group
+        norm, the pre-norm scale, and for "logit" the final norm's scale), i.e. the gradient of the
+        decomposition's linear map; the values are the same either way. grad_input ignores it.
 
     Returns an :class:`Attribution` whose ``scores`` are (B, n_layers, R, L) (or top_k) in
     ``out_dtype``, exactly 0 above the diagonal. Pure JAX: works under ``jax.jit``, ``jax.vmap`` and
@@ -227,7 +233,11 @@ def attribute(
     streams = run_layers(model, x.h, mask, runtime)
     targets, logit = _head_targets(model, streams[-1], targets)
     extra = {"targets": targets}
-    direction = _logit_direction(model, streams[-1], targets) if method == "logit" else None
+    direction = (
+        _logit_direction(model, streams[-1], targets, hold_fixed=bool(hold_fixed))
+        if method == "logit"
+        else None
+    )
     keep = (lambda a: a) if mesh is None else (lambda a: jax.tree.map(lambda v: v[: x.batch], gather(a)))
     shape = (x.batch, len(layer_list), len(row_idx), L if top_k is None else top_k)
     sink = StreamWriter(stream_to, shape, out_dtype) if stream_to is not None else None
@@ -243,6 +253,7 @@ def attribute(
                 out = _layer_attribution(
                     model.layers[layer], streams[layer], mask, row_idx, direction, method=method, mode=mode,
                     impl=runtime, blocks=blocks, aggregation=aggregation, with_alti=with_alti,
+                    hold_fixed=bool(hold_fixed),
                 )  # fmt: skip
             out = keep(out)
             s = out.pop("scores")
@@ -359,22 +370,24 @@ def _targets(target, B, L, vocab):
     return jnp.asarray(t).astype(jnp.int32)
 
 
-@jit_model_fn
-def _logit_direction(model, h_final, targets):
-    """v_i = g_f * E_{w_i} / r_i (b, l, d), r_i from the stream entering the final norm."""
+@jit_model_fn(static_argnames=("hold_fixed",))
+def _logit_direction(model, h_final, targets, hold_fixed=False):
+    """v_i = g_f * E_{w_i} / r_i (b, l, d), r_i from the stream entering the final norm (held fixed:
+    no gradient through r_i)."""
     r_inv = jax.lax.rsqrt(jnp.mean(h_final * h_final, -1, keepdims=True) + model.config.rms_eps)
+    r_inv = jax.lax.stop_gradient(r_inv) if hold_fixed else r_inv
     row = jnp.take(model.unembedding, targets, axis=0).astype(f32)
     return model.norm_f[...].astype(f32) * row * r_inv
 
 
-@jit_model_fn(static_argnames=("method", "mode", "impl", "blocks", "aggregation", "with_alti"))
+@jit_model_fn(static_argnames=("method", "mode", "impl", "blocks", "aggregation", "with_alti", "hold_fixed"))
 def _layer_attribution(
-    block, h, mask, rows, direction, *, method, mode, impl, blocks, aggregation, with_alti
+    block, h, mask, rows, direction, *, method, mode, impl, blocks, aggregation, with_alti, hold_fixed=False
 ):
     """One layer: {"scores" (b, r, l)} plus, for logit, "bias" (b, r) [and "alti" (b, l, l)], and for
     the paper mode "error" (b,): mean over real positions of ||o_i - beta_i - sum_j T_i(x_j)|| / ||o_i||
     (O(l): one scan, LayerFactors.token_total)."""
-    f = block_factors(block, h, mode, mask=mask, impl=impl)
+    f = block_factors(block, h, mode, mask=mask, impl=impl, hold_fixed=hold_fixed)
     aux = jnp.einsum("bld,ed->ble", direction, f.W_out) if method == "logit" else None
     common = dict(mask=mask, blocks=blocks, impl=impl)
     out = {"scores": layer_scores(f, method, rows, aux=aux, aggregation=aggregation, **common)}

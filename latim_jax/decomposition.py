@@ -79,15 +79,21 @@ def layer_factors(
     return block_factors(model.layers[layer], h, mode, mask=mask, impl=impl)
 
 
-def block_factors(block, h, mode: str = "exact", *, mask=None, impl: str = "auto") -> LayerFactors:
+def block_factors(
+    block, h, mode: str = "exact", *, mask=None, impl: str = "auto", hold_fixed: bool = False
+) -> LayerFactors:
     """The factors of one residual block (a :class:`latim_jax.model.Block`) for its input stream h.
 
     Padding (``mask`` False) is skipped by the mixer (zero conv input and Delta), and its sources get
-    zero tap values a, so a pad position contributes exactly nothing to any target.
+    zero tap values a, so a pad position contributes exactly nothing to any target. ``hold_fixed``:
+    the same values, but gradients do not flow through the quantities LaTIM holds fixed (Delta, B, C,
+    the activation gate s, the output gate G, the pre-norm scale): the layer is differentiated as the
+    linear map of the token values that the decomposition describes.
     """
     check_mode(mode)
     mixer, cfg = block.mixer, block.config
-    inter = mixer.intermediates(block.normed(h), mask=mask, impl=impl)
+    xhat = block.normed(h, hold_fixed=hold_fixed)
+    inter = mixer.intermediates(xhat, mask=mask, impl=impl, hold_fixed=hold_fixed)
     e, K = cfg.d_inner, cfg.d_conv
     valid = jnp.ones(h.shape[:2] + (1,), f32) if mask is None else mask[..., None].astype(f32)
     w_lag = mixer.conv_w[...].astype(f32)[::-1, :e]  # (K, e): w_k multiplies u_{t-k}
@@ -104,6 +110,7 @@ def block_factors(block, h, mode: str = "exact", *, mask=None, impl: str = "auto
 
     if mode == "exact":
         s = activation_gate(cfg.activation, c)
+        s = jax.lax.stop_gradient(s) if hold_fixed else s
         u_tok = u_full if b_in is None else u_full - b_in
         s_pad = jnp.pad(s, ((0, 0), (0, K - 1), (0, 0)))
         a = jnp.stack([w_lag[k] * s_pad[:, k : k + s.shape[1]] * u_tok for k in range(K)])

@@ -63,7 +63,7 @@ def check_embeds(inputs_embeds, d_model: int) -> jax.Array:
         raise ValueError(f"inputs_embeds must be floating point, found dtype {e.dtype}")
     if e.shape[0] < 1 or e.shape[1] < 1:
         raise ValueError(f"inputs_embeds hold no prompt or no position: shape {tuple(e.shape)}")
-    if not is_traced(e) and not bool(jnp.isfinite(e).all()):
+    if not is_traced(e) and not np.isfinite(np.asarray(e)).all():  # numpy: no staging inside a jit trace
         raise ValueError("inputs_embeds hold NaN or inf")
     return e.astype(jnp.float32)
 

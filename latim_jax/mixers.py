@@ -16,7 +16,15 @@ from flax import nnx
 
 from latim_jax.config import MambaConfig
 from latim_jax.kernels import dispatch
-from latim_jax.layers import activation, causal_conv, causal_conv_step, f32, group_rms, linear
+from latim_jax.layers import (
+    activation,
+    activation_gate,
+    causal_conv,
+    causal_conv_step,
+    f32,
+    group_rms,
+    linear,
+)
 
 _PARAM_NAMES = (
     "in_proj",
@@ -113,16 +121,19 @@ class Mamba1Mixer(_Mixer):
         delta = jax.nn.softplus(linear(dt_low, self.dt_proj[...]) + self.dt_bias[...].astype(f32))
         return delta, B, C
 
-    def intermediates(self, x, *, mask=None, impl="auto") -> Intermediates:
-        """All per-layer quantities for the input x (b, l, d); padding (``mask`` False) is skipped."""
+    def intermediates(self, x, *, mask=None, impl="auto", hold_fixed=False) -> Intermediates:
+        """All per-layer quantities for the input x (b, l, d); padding (``mask`` False) is skipped.
+        ``hold_fixed``: the same values, but no gradient through Delta, B, C, the activation's gate
+        and the output gate (the quantities LaTIM holds fixed): the layer is then linear in u."""
         u, z = self.split_in_proj(x)
         u = self.conv_input(u, mask)
         c = causal_conv(u, self.conv_w[...], self._get("conv_b"))
-        v = activation(self.config.activation)(c)
-        delta, B, C = self.ssm_params(v)
+        v = _value_activation(self.config.activation, c, hold_fixed)
+        delta, B, C = _held(self.ssm_params(v), hold_fixed)
         delta = _skip_padding(delta, mask)
         y, _ = dispatch.selective_scan(v, delta, self.A, B, C, self.D[...], impl=impl)
-        return Intermediates(u=u, c=c, delta=delta, B=B, C=C, y=y, G=jax.nn.silu(z))
+        (G,) = _held((jax.nn.silu(z),), hold_fixed)
+        return Intermediates(u=u, c=c, delta=delta, B=B, C=C, y=y, G=G)
 
     def init_cache(self, batch: int):
         """Zero recurrent cache: (conv (b, k-1, e), ssm (b, e, n))."""
@@ -178,18 +189,21 @@ class Mamba2Mixer(_Mixer):
         g = jax.nn.silu(z)
         return self.norm_w[...].astype(f32) * g / group_rms(y * g, c.n_groups, c.rms_eps)
 
-    def intermediates(self, x, *, mask=None, impl="auto") -> Intermediates:
-        """All per-layer quantities for the input x (b, l, d); padding (``mask`` False) is skipped."""
+    def intermediates(self, x, *, mask=None, impl="auto", hold_fixed=False) -> Intermediates:
+        """All per-layer quantities for the input x (b, l, d); padding (``mask`` False) is skipped.
+        ``hold_fixed``: no gradient through Delta, B, C, the activation's gate and G (see Mamba-1)."""
         c = self.config
         z, u, dt = self.split_in_proj(x)
         u = self.conv_input(u, mask)
         conv = causal_conv(u, self.conv_w[...], self._get("conv_b"))
-        v = activation(c.activation)(conv)
+        v = _value_activation(c.activation, conv, hold_fixed)
         xs, B, C = self.split_xbc(v)
-        delta = _skip_padding(self.delta(dt), mask)
+        B, C, delta = _held((B, C, self.delta(dt)), hold_fixed)
+        delta = _skip_padding(delta, mask)
         y, _ = dispatch.ssd(xs, delta, self.A, B, C, self.D[...], c.chunk_size, impl=impl)
         y = y.reshape(*y.shape[:-2], c.d_inner)
-        return Intermediates(u=u, c=conv, delta=delta, B=B, C=C, y=y, G=self.gate(y, z))
+        (G,) = _held((self.gate(y, z),), hold_fixed)
+        return Intermediates(u=u, c=conv, delta=delta, B=B, C=C, y=y, G=G)
 
     def init_cache(self, batch: int):
         """Zero recurrent cache: (conv (b, k-1, e+2gn), ssm (b, h, p, n))."""
@@ -213,6 +227,18 @@ class Mamba2Mixer(_Mixer):
         y = y.reshape(y.shape[0], c.d_inner)
         o = linear(y * self.gate(y, z), self.out_proj[...], self._get("out_proj_b"))
         return o, (conv_cache, state)
+
+
+def _value_activation(name, c, hold_fixed):
+    """act(c); held fixed, s(c) c with the gate s = act(c) / c frozen (the same value, linear in c)."""
+    if not hold_fixed:
+        return activation(name)(c)
+    return jax.lax.stop_gradient(activation_gate(name, c)) * c
+
+
+def _held(values, hold_fixed):
+    """``values`` with stop_gradient when ``hold_fixed``."""
+    return tuple(jax.lax.stop_gradient(v) for v in values) if hold_fixed else tuple(values)
 
 
 def _skip_padding(delta, mask):

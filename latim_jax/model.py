@@ -53,10 +53,11 @@ class Block(nnx.Module):
         self.norm = nnx.Param(jnp.asarray(params["norm"]))
         self.mixer = make_mixer(config, params["mixer"])
 
-    def normed(self, h):
-        """The mixer input xhat = RMSNorm(h), cast to the weight dtype as the reference does."""
+    def normed(self, h, *, hold_fixed=False):
+        """The mixer input xhat = RMSNorm(h), cast to the weight dtype as the reference does;
+        ``hold_fixed``: the norm's scale 1 / rms(h) gets no gradient (xhat linear in h)."""
         w = self.norm[...]
-        return rms_norm(h, w, self.config.rms_eps).astype(w.dtype)
+        return rms_norm(h, w, self.config.rms_eps, hold_scale=hold_fixed).astype(w.dtype)
 
     def __call__(self, h, *, mask=None, impl="auto"):
         """h (b, l, d) fp32 -> h + o; ``mask`` (b, l) bool of valid positions (None: all)."""

@@ -94,13 +94,17 @@ def pair_score(f: LayerFactors, method: str, rows, j0, width, aux=None):
 def blocked(fn, rows, length, blocks: Blocks, out_tail=()):
     """Evaluate fn(rows_block, j0) -> (b, block_rows, block_cols, *out_tail) over all causal blocks.
 
-    Returns (b, len(rows), length, *out_tail); blocks above the diagonal are not computed.
+    Returns (b, len(rows), length, *out_tail); blocks above the diagonal are not computed. Each block
+    is rematerialised under differentiation (jax.checkpoint): the backward pass recomputes a block's
+    intermediates instead of saving every block's, so a gradient holds O(output + one block), like
+    the forward.
     """
     n_cb = -(-length // blocks.cols)
 
     def row_block(rb):
         rmax = jnp.max(rb)
 
+        @jax.checkpoint  # around the cond: a checkpoint inside a cond's branch is not honoured
         def col_block(j0):
             def compute(_):
                 return fn(rb, j0)
@@ -254,6 +258,7 @@ def hidden_attention_range(f: LayerFactors, *, mask=None, blocks: Blocks):
     def row_block(carry, i0):
         rb = i0 + jnp.arange(blocks.rows)
 
+        @jax.checkpoint
         def col_block(carry, j0):
             def update(carry):
                 M = _hidden_attention(f, jnp.minimum(rb, length - 1), j0, blocks.cols)  # (b, r, q, c)
@@ -281,6 +286,7 @@ def token_sum(f: LayerFactors, rows, *, blocks: Blocks | None = None):
     n_cb = -(-f.length // blocks.cols)
 
     def row_block(rb):
+        @jax.checkpoint
         def add(acc, j0):
             part = jax.lax.cond(
                 j0 <= jnp.max(rb),

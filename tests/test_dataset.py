@@ -99,20 +99,18 @@ def test_text_file_run_equals_direct_attribution(ckpt, tmp_path, monkeypatch, ca
             want = _direct(model, ids, None if rows == "all" else [-1], method="logit")
             np.testing.assert_allclose(got.scores, want.scores, rtol=2e-5, atol=1e-6)
             np.testing.assert_allclose(got.extra["logit"], want.extra["logit"], rtol=2e-5)
-    # another run's settings into the same directory are refused
-    with pytest.raises(SystemExit, match="different run"):
-        main(
-            [
-                "attribute-dataset",
-                "--model",
-                str(ckpt),
-                "--input",
-                "prompts.txt",
-                "--out",
-                "run-all",
-                "--quiet",
-            ]
-        )
+    # another run's settings into the same directory are refused (a usage error: exit code 2)
+    argv = [
+        "attribute-dataset",
+        "--model",
+        str(ckpt),
+        "--input",
+        "prompts.txt",
+        "--out",
+        "run-all",
+        "--quiet",
+    ]
+    assert main(argv) == 2 and "holds the results of a different run" in capsys.readouterr().err
 
 
 def test_sigkill_then_rerun_gives_every_prompt_once(ckpt, tmp_path):
