@@ -331,3 +331,22 @@ def test_bf16_exact_mode_conserves_what_the_forward_computed(name):
     t = tokens(length=9)
     for layer in range(cfg.n_layers):
         assert latim_jax.conservation_error(model, t, layer) < TOL["bf16_conservation"], layer
+
+
+def test_mamba1_factored_far_tiles_equal_the_direct_form():
+    """A tile whose sources all precede its targets uses the factored decay (latim_jax.hidden_attention);
+    the full (l, l) block (which always takes the direct form) is the reference."""
+    from latim_jax.attribution import _layer_input
+    from latim_jax.decomposition import layer_factors
+    from latim_jax.hidden_attention import full_hidden_attention, hidden_attention_block
+
+    model = make("m1")
+    t = tokens(length=24)
+    h, _ = _layer_input(model, t, 1, "xla")
+    f = layer_factors(model, h, 1)
+    full = np.asarray(full_hidden_attention(1, f.A, f.D, f.delta, f.B, f.C))
+    for rows, cols in ((np.arange(12, 20), np.arange(0, 12)), (np.array([23, 15, 17]), np.arange(3, 15))):
+        got = hidden_attention_block(
+            1, f.A, f.D, f.delta, f.B, f.C, f.decay, jnp.asarray(rows), jnp.asarray(cols)
+        )
+        assert rel(got, full[:, rows][:, :, cols]) < TOL["fp32"]
