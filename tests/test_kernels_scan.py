@@ -343,3 +343,20 @@ def test_tpu_lowering_rejects_misaligned_blocks():
     fn = functools.partial(fn, block_sizes=BlockSizes(scan_block_l=100), platform="tpu", interpret=False)
     with pytest.raises(ValueError, match="multiple of 128"):
         _lower("tpu", fn, args)
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("kernel", ["scan", "ssd"])
+@pytest.mark.parametrize("platform", ["tpu", "gpu"])
+def test_gradient_lowers(platform, kernel):
+    """The backward (the reference's rematerialised VJP through the custom_jvp) lowers for the hardware
+    together with the forward kernel it differentiates."""
+    fn, args = _lowering_case(kernel, False)
+    fn = functools.partial(fn, block_sizes=LOWER_BLOCKS, platform=platform, interpret=False)
+
+    def loss(*a):
+        y, state = fn(*a)
+        return jnp.sum(y * y) + jnp.sum(state)
+
+    text = _lower(platform, jax.grad(loss, argnums=(0, 1, 4)), args)
+    assert CUSTOM_CALL[platform] in text

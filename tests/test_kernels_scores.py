@@ -219,3 +219,22 @@ def test_lowers_for_hardware(platform, version):
         pytest.skip(str(err))
     marker = "tpu_custom_call" if platform == "tpu" else "triton"
     assert text.count(marker) >= 2
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("platform", ["tpu", "gpu"])
+def test_gradient_lowers_for_hardware(platform):
+    """jax.grad through the fused kernel (forward on the hardware, backward = the blocked reference's
+    rematerialised VJP) lowers for TPU and GPU."""
+    f = synthetic_factors(2)
+    rows = jnp.arange(0, 256, 3)
+
+    def loss(f):
+        return jnp.sum(fused_layer_scores(f, "l2", rows, platform=platform, interpret=False))
+
+    lower = lowering.lower_for_tpu if platform == "tpu" else lowering.lower_for_gpu
+    try:
+        text = lower(jax.grad(loss), f).as_text()
+    except lowering.LoweringUnsupported as err:
+        pytest.skip(str(err))
+    assert ("tpu_custom_call" if platform == "tpu" else "triton") in text
