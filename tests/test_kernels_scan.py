@@ -358,5 +358,5 @@ def test_gradient_lowers(platform, kernel):
         y, state = fn(*a)
         return jnp.sum(y * y) + jnp.sum(state)
 
-    text = _lower(platform, jax.grad(loss, argnums=(0, 1, 4)), args)
+    text = _lower(platform, jax.value_and_grad(loss, argnums=(0, 1, 4)), args)
     assert CUSTOM_CALL[platform] in text

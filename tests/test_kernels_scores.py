@@ -224,7 +224,7 @@ def test_lowers_for_hardware(platform, version):
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("platform", ["tpu", "gpu"])
 def test_gradient_lowers_for_hardware(platform):
-    """jax.grad through the fused kernel (forward on the hardware, backward = the blocked reference's
+    """jax.value_and_grad through the fused kernel (forward on the hardware, backward = the blocked reference's
     rematerialised VJP) lowers for TPU and GPU."""
     f = synthetic_factors(2)
     rows = jnp.arange(0, 256, 3)
@@ -234,7 +234,7 @@ def test_gradient_lowers_for_hardware(platform):
 
     lower = lowering.lower_for_tpu if platform == "tpu" else lowering.lower_for_gpu
     try:
-        text = lower(jax.grad(loss), f).as_text()
+        text = lower(jax.value_and_grad(loss), f).as_text()
     except lowering.LoweringUnsupported as err:
         pytest.skip(str(err))
     assert ("tpu_custom_call" if platform == "tpu" else "triton") in text
