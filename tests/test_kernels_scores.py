@@ -224,8 +224,8 @@ def test_lowers_for_hardware(platform, version):
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("platform", ["tpu", "gpu"])
 def test_gradient_lowers_for_hardware(platform):
-    """jax.value_and_grad through the fused kernel (forward on the hardware, backward = the blocked reference's
-    rematerialised VJP) lowers for TPU and GPU."""
+    """jax.value_and_grad through the fused kernel (forward on the hardware, backward = the blocked
+    reference's rematerialised VJP) lowers for TPU and GPU."""
     f = synthetic_factors(2)
     rows = jnp.arange(0, 256, 3)
 
