@@ -7,7 +7,7 @@ downloaded here, so this module builds a small language pair whose alignments ar
 Source language (one token per word): verb-final, adjectives before nouns, postpositions, a plural
 particle after the noun, an object particle, a discourse particle:
 
-    S   -> [TIME] NP_subj [ja] [NP_obj ak] [NP_loc POSTP] [ADV] [nicht] V_tr|V_intr .
+    S   -> [TIME] NP_subj [ja] [NP_obj ak] [NP_loc POSTP] [ADV] [nicht] V_tr|V_intr ·
     NP  -> DET [ADJ] N [-en]                  (V_tr iff an object is present)
 
 Target language: verb-second (subject, verb group, object, adverb, place, time), nouns before
@@ -25,7 +25,7 @@ compound nouns "apfelbaum" -> "apple tree", phrasal verbs "abholt" -> "pick up",
 words with no translation (unaligned).
 
 Gold alignment (:func:`translate`): every target word is linked to the source word(s) it translates
-(sure links, S): DET, ADJ, N, V, ADV, TIME, POSTP, nicht -> not, . -> . ; a plural noun to its noun and
+(sure links, S): DET, ADJ, N, V, ADV, TIME, POSTP, nicht -> not, · -> . ; a plural noun to its noun and
 to "-en" (two sure links); each word of a multi-word translation to its one source word. do-support's
 "do" has no sure link: it is possibly linked (P) to both "nicht" and the verb, the case where the rules
 leave the choice ambiguous. P includes S.
@@ -88,8 +88,8 @@ POSTP = {
     "unter": ("under",), "auf": ("on",), "hinter": ("behind",), "neben": ("next", "to"),
     "vor": ("in", "front", "of"),
 }  # fmt: skip
-NEG, PL, ACC, PARTICLE, STOP = "nicht", "-en", "ak", "ja", "."
-FUNCTION = {NEG: ("not",), PL: (), ACC: (), PARTICLE: (), STOP: (".",)}
+NEG, PL, ACC, PARTICLE, STOP = "nicht", "-en", "ak", "ja", "·"  # the source full stop: a middle dot
+FUNCTION = {NEG: ("not",), PL: (), ACC: (), PARTICLE: (), STOP: (".",)}  # the target full stop: "."
 DO = "do"
 
 LEXICON = {**DET, **NOUN, **ADJ, **VERB_TR, **VERB_INTR, **ADV, **TIME, **POSTP, **FUNCTION}
@@ -152,8 +152,8 @@ def sequence_length(task: dict) -> int:
 
 
 def vocabulary(task: dict | None = None) -> list[str]:
-    """Token names, index = id (specials, source words, target words; source and target words that are
-    spelled alike are different ids)."""
+    """Token names, index = id: the specials, the source words, the target words (all distinct and free
+    of whitespace: the source full stop is a middle dot, the target's a period)."""
     return list(SPECIALS + SOURCE_WORDS + TARGET_WORDS)
 
 
@@ -263,7 +263,7 @@ def _parse(src: list[str]) -> dict:
     parts["verb"] = expect("VT" if parts["obj"] is not None else "VI")
     parts["stop"] = expect("STOP")
     if pos != len(src):
-        raise ValueError(f"source position {pos}: words after the final '.'")
+        raise ValueError(f"source position {pos}: words after the final {STOP!r}")
     return parts
 
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 
 from latim_jax import align, tasks
-from latim_jax.methods import METHODS, Method, available, layer_aggregate, run
+from latim_jax.evaluate import METHODS
+from latim_jax.methods import layer_aggregate, run
 
 # the paper's IWSLT17 de-en AER ranges (latim-math.md section 7 and the issue): method -> text
 PAPER_AER = {
@@ -51,7 +52,7 @@ def evaluate_alignment(
     n_sentences: int = 256,
     batch_size: int = 64,
     seed: int = 10_000,
-    methods: tuple[Method, ...] = METHODS,
+    methods=METHODS,
 ) -> dict:
     """AER of every method per layer and aggregated (rows: predicting and own), plus the random and the
     gold-argmax references. Returns a JSON-safe report (see :func:`format_table`)."""
@@ -60,29 +61,26 @@ def evaluate_alignment(
         raise ValueError(f"evaluate_alignment needs an align task, found {task['name']!r}")
     batch, links = held_out(task, n_sentences, seed)
     n_layers = model.config.n_layers
-    run_methods = [m for m in methods if available(m)]
-    preds = {m.name: {row: [[] for _ in range(n_layers + 1)] for row in align.ROWS} for m in run_methods}
+    preds = {m[0]: {row: [[] for _ in range(n_layers + 1)] for row in align.ROWS} for m in methods}
     for start in range(0, n_sentences, batch_size):
         sl = slice(start, start + batch_size)
         part = align.Links(links.sure[sl], links.possible[sl], links.n_src[sl], links.n_tgt[sl])
-        for m in run_methods:
+        for m in methods:
             mask = np.arange(batch.tokens.shape[1])[None] < batch.lengths[sl, None]  # padding after EOS
             res = run(model, batch.tokens[sl], m, mask=mask, target=batch.targets[sl])
             scores = np.asarray(res.scores)
-            agg = layer_aggregate(res, m)
-            maps = [scores[:, k] for k in range(n_layers)] + [agg]
+            maps = [scores[:, k] for k in range(n_layers)] + [layer_aggregate(res)]
             for row in align.ROWS:
                 for k, mp in enumerate(maps):
-                    if mp is not None:
-                        preds[m.name][row][k].append(align.extract(align.source_scores(mp, part, row), part))
+                    preds[m[0]][row][k].append(align.extract(align.source_scores(mp, part, row), part))
     rows = {}
-    for m in run_methods:
+    for m in methods:
         out = {}
         for row in align.ROWS:
-            aers = [_aer(p, links) for p in preds[m.name][row]]
+            aers = [_aer(p, links) for p in preds[m[0]][row]]
             out[row] = {"layers": aers[:n_layers], "aggregate": aers[n_layers]}
         best = int(np.argmin(out["predicting"]["layers"]))
-        rows[m.name] = {**out["predicting"], "best_layer": best, "own": out["own"]}
+        rows[m[0]] = {**out["predicting"], "best_layer": best, "own": out["own"]}
     rng = np.random.default_rng(seed)
     random_aer = np.mean([_aer(align.extract(rng.random(links.sure.shape), links), links) for _ in range(10)])
     return {
@@ -98,16 +96,12 @@ def evaluate_alignment(
         "rows": rows,
         "random": float(random_aer),
         "oracle": _aer(align.oracle(links), links),
-        "unavailable": [m.name for m in methods if not available(m)],
         "definitions": __doc__.strip(),
     }
 
 
 def _aer(parts, links):
-    if not isinstance(parts, list):
-        parts = [parts]
-    if not parts:
-        return None
+    parts = parts if isinstance(parts, list) else [parts]
     return align.aer(np.concatenate(parts), links.sure, links.possible)
 
 
@@ -147,10 +141,6 @@ def format_table(report: dict) -> str:
         "AER = 1 - (|A & S| + |A & P|) / (|A| + |S|) over all held-out sentences; A links each target word "
         "to the source word with the largest attribution in the row that predicts it (own row: the word's "
         "own position). Aggregate: rollout for alti/logit/hidden attention (minmax, abs), sum of "
-        "row-normalised maps for l2/grad x input; signed hidden attention has no rollout.",
+        "row-normalised maps for l2/grad x input, plain sum for signed hidden attention.",
     ]
-    if report.get("unavailable"):
-        lines.append(
-            f"Not run (this latim_jax.attribute lacks the option): {', '.join(report['unavailable'])}."
-        )
     return "\n".join(lines)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from latim_jax import metrics, needle, tasks
-from latim_jax.methods import METHODS, Method, available, layer_aggregate, run
+from latim_jax.evaluate import METHODS
+from latim_jax.methods import layer_aggregate, run
 from latim_jax.scores import Blocks
 
 LENGTHS = (512, 2048, 8192)
@@ -60,7 +61,7 @@ def evaluate_needle(
     n_sequences: int = 32,
     batch_size: int = 8,
     seed: int = 10_000,
-    methods: tuple[Method, ...] = METHODS,
+    methods=METHODS,
 ) -> dict:
     """Retrieval accuracy and attribution AUC / R@1 (value and key gold) of every method, per layer and
     aggregated, for each length and setting. JSON-safe report (see :func:`format_table`)."""
@@ -69,7 +70,6 @@ def evaluate_needle(
         raise ValueError(f"evaluate_needle needs a needle task, found {task['name']!r}")
     settings = SETTINGS if settings is None else settings
     n_layers = model.config.n_layers
-    run_methods = [m for m in methods if available(m)]
     results = []
     for length in lengths:
         for sname, (needles, queries) in settings.items():
@@ -85,7 +85,7 @@ def evaluate_needle(
                 "rows": {},
             }
             cols = 64 if model.config.version == 1 else 512
-            for m in run_methods:
+            for m in methods:
                 per_layer, agg = [[] for _ in range(n_layers)], []
                 for s in range(0, n_sequences, batch_size):
                     sl = slice(s, s + batch_size)
@@ -96,9 +96,7 @@ def evaluate_needle(
                     sc = np.asarray(res.scores)
                     for k in range(n_layers):
                         per_layer[k].append(sc[:, k])
-                    a = layer_aggregate(res, m)
-                    if a is not None:
-                        agg.append(a)
+                    agg.append(layer_aggregate(res))
                 out = {}
                 for which in GOLDS:
                     gold = _gold(batch, rows, which)
@@ -108,9 +106,9 @@ def evaluate_needle(
                         "layers": layers,
                         "best_layer": best,
                         "best": layers[best],
-                        "aggregate": _score(np.concatenate(agg), gold, rows) if agg else None,
+                        "aggregate": _score(np.concatenate(agg), gold, rows),
                     }
-                entry["rows"][m.name] = out
+                entry["rows"][m[0]] = out
             gold = _gold(batch, rows, "value")
             labels = np.arange(length)[None, None] == gold[..., None]
             valid = np.broadcast_to(
@@ -126,13 +124,8 @@ def evaluate_needle(
         "n_sequences": n_sequences,
         "seed": seed,
         "results": results,
-        "unavailable": [m.name for m in methods if not available(m)],
         "definitions": __doc__.strip(),
     }
-
-
-def _cell(x, key):
-    return "-" if x is None else f"{x[key]:.3f}"
 
 
 def format_table(report: dict) -> str:
@@ -165,7 +158,7 @@ def format_table(report: dict) -> str:
                 cells += [
                     f"{v['best']['auc']:.3f} ({v['best_layer']})",
                     f"{v['best']['recall@1']:.3f}",
-                    _cell(v["aggregate"], "auc"),
+                    f"{v['aggregate']['auc']:.3f}",
                 ]
             key = ", ".join(f"{e['rows'][name]['key']['best']['auc']:.3f}" for e in entries)
             lines.append(f"| {name} | " + " | ".join(cells) + f" | {key} |")
@@ -177,10 +170,7 @@ def format_table(report: dict) -> str:
         "",
         "Gold: the needle's value position (the key position in the last column). AUC: per-row AUC of the "
         "gold among candidates j <= i (the query row), averaged over rows; R@1: the gold ranked first. "
-        "Best layer by AUC. Aggregate: sum over layers of row-normalised |maps| (rollout needs every row).",
+        "Best layer by AUC. Aggregate: sum over layers of row-normalised |maps| (rollout needs every row; "
+        "signed hidden attention: the plain sum).",
     ]
-    if report.get("unavailable"):
-        lines.append(
-            f"Not run (this latim_jax.attribute lacks the option): {', '.join(report['unavailable'])}."
-        )
     return "\n".join(lines)

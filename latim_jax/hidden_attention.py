@@ -65,13 +65,14 @@ def hidden_attention_block(version, A, D, delta, B, C, decay, rows, cols, *, wit
     length = delta.shape[1]
     mask = causal_mask(rows, cols, length)  # (r, q)
     safe = jnp.minimum(cols, length - 1)
-    seg = segment_sum(decay, rows, safe)  # (b, r, q, c)
     dt_t = delta[:, safe].astype(f32)  # (b, q, c)
     if version == 1:
-        expo = jnp.where(mask[None, :, :, None, None], A[None, None, None] * seg[..., None], -jnp.inf)
-        cb = C[:, rows][:, :, None, :] * B[:, safe][:, None, :, :]  # (b, r, q, n)
-        M = jnp.einsum("brqn,brqen->brqe", cb, jnp.exp(expo)) * dt_t[:, None]
+        # a tile whose sources all precede its targets factors the decay through its first target
+        far = jnp.max(cols) <= jnp.min(rows)
+        args = (A, delta, B, C, decay, rows, safe)
+        M = jax.lax.cond(far, _m1_factored, lambda *a: _m1_direct(*a, mask), *args) * dt_t[:, None]
     else:
+        seg = segment_sum(decay, rows, safe)  # (b, r, q, c)
         heads = A.shape[0]
         g = C.shape[2]
         cb = jnp.einsum("brgn,bqgn->brqg", C[:, rows].astype(f32), B[:, safe].astype(f32))  # (b, r, q, g)
@@ -82,6 +83,30 @@ def hidden_attention_block(version, A, D, delta, B, C, decay, rows, cols, *, wit
         diag = (rows[:, None] == cols[None, :]).astype(f32)  # (r, q)
         M = M + diag[None, :, :, None] * D.astype(f32)
     return M
+
+
+def _m1_direct(A, delta, B, C, decay, rows, cols, mask):
+    """Mamba-1 sum_n C_i[n] B_t[n] exp(A[e, n] (S_i - S_t)[e]) with the exponent masked to -inf above
+    the diagonal: (b, r, q, e), r q e n exponentials."""
+    seg = segment_sum(decay, rows, cols)  # (b, r, q, e)
+    expo = jnp.where(mask[None, :, :, None, None], A[None, None, None] * seg[..., None], -jnp.inf)
+    cb = C[:, rows][:, :, None, :] * B[:, cols][:, None, :, :]  # (b, r, q, n)
+    return jnp.einsum("brqn,brqen->brqe", cb, jnp.exp(expo))
+
+
+def _m1_factored(A, delta, B, C, decay, rows, cols):
+    """The same sum when every source t precedes every target i (max t <= r = min i): with the tile's
+    reference r, exp(A (S_i - S_t)) = exp(A (S_i - S_r)) exp(A (S_r - S_t)), both factors <= 1, so
+
+        M[i, t, e] = sum_n P[i, e, n] Q[t, e, n],  P = C_i exp(A (S_i - S_r)),  Q = B_t exp(A (S_r - S_t))
+
+    is a (r x n)(n x q) product per channel from (r + q) e n exponentials (not r q e n)."""
+    ref = jnp.min(rows)[None]
+    to_i = segment_sum(decay, rows, ref)[:, :, 0]  # (b, r, e): S_i - S_r >= 0
+    from_t = segment_sum(decay, ref, cols)[:, 0]  # (b, q, e): S_r - S_t >= 0
+    P = C[:, rows][:, :, None, :] * jnp.exp(A[None, None] * to_i[..., None])  # (b, r, e, n)
+    Q = B[:, cols][:, :, None, :] * jnp.exp(A[None, None] * from_t[..., None])  # (b, q, e, n)
+    return jnp.einsum("bren,bqen->brqe", P, Q)
 
 
 def full_hidden_attention(version, A, D, delta, B, C, *, with_D=True):

@@ -8,9 +8,10 @@ import pytest
 
 from latim_jax import align, tasks
 
-# hand-built: time fronted, plural many-to-one, adjective swap, object particle (unaligned), negation
-# with do-support (possible links only), a phrasal verb (one-to-many), verb-final -> verb-second
-SENT_A = "heute der alt hund -en mein buch ak nicht abholt .".split()
+# hand-built (the source full stop is "·", the target's "."): time fronted, plural many-to-one,
+# adjective swap, object particle (unaligned), negation with do-support (possible links only), a
+# phrasal verb (one-to-many), verb-final -> verb-second
+SENT_A = "heute der alt hund -en mein buch ak nicht abholt ·".split()
 #          0     1   2   3    4   5    6    7  8     9      10
 TGT_A = "the dogs old do not pick up my book today .".split()
 SURE_A = {(0, 1), (1, 3), (1, 4), (2, 2), (4, 8), (5, 9), (6, 9), (7, 5), (8, 6), (9, 0), (10, 10)}
@@ -18,7 +19,7 @@ POSSIBLE_ONLY_A = {(3, 8), (3, 9)}
 
 # a discourse particle (unaligned), a postposition with a three-word translation (local inversion of the
 # PP), a compound noun (one-to-many) in the plural (head word plural), an adverb moved after the verb
-SENT_B = "sein kind ja der rot apfelbaum -en vor schnell lacht .".split()
+SENT_B = "sein kind ja der rot apfelbaum -en vor schnell lacht ·".split()
 #          0    1    2  3   4   5         6   7   8       9     10
 TGT_B = "his child laugh quickly in front of the apple trees red .".split()
 SURE_B = {
@@ -27,7 +28,7 @@ SURE_B = {
 }  # fmt: skip
 
 # object and place together, "next to" (one-to-many function word)
-SENT_C = "mein lehrer dein brief ak der tisch neben sucht .".split()
+SENT_C = "mein lehrer dein brief ak der tisch neben sucht ·".split()
 TGT_C = "my teacher seek your letter next to the table .".split()
 SURE_C = {(0, 0), (1, 1), (2, 8), (3, 2), (4, 3), (5, 7), (6, 7), (7, 5), (8, 6), (9, 9)}
 
@@ -54,11 +55,11 @@ def test_translation_and_gold_links_of_hand_built_sentences(src, tgt, sure, poss
 
 def test_ungrammatical_sources_are_refused_with_the_position():
     with pytest.raises(ValueError, match="position 2: expected VI, found sieht"):
-        align.translate("der hund sieht .".split())  # transitive verb without an object
+        align.translate("der hund sieht ·".split())  # transitive verb without an object
     with pytest.raises(ValueError, match="source word 1 'dog' is not in the lexicon"):
-        align.translate("der dog schlaeft .".split())
+        align.translate("der dog schlaeft ·".split())
     with pytest.raises(ValueError, match="after the final"):
-        align.translate("der hund schlaeft . .".split())
+        align.translate("der hund schlaeft · ·".split())
 
 
 def test_generated_sentences_parse_and_are_not_monotone():
