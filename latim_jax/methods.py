@@ -25,11 +25,12 @@ def select(names=None, methods=METHODS) -> tuple:
 def run(model, tokens, row, **kwargs):
     """``latim_jax.attribute`` for one method row (its options, e.g. ``aggregation``, passed on), at the
     tokens' own length (``bucket=False``: the evaluations use one fixed length per call, and an explicit
-    ``target`` must have the tokens' shape)."""
+    ``target`` must have the tokens' shape) and without progress bars (many calls)."""
     import latim_jax
 
     _, method, mode, options = row
-    return latim_jax.attribute(model, tokens, method, mode or "exact", **options, bucket=False, **kwargs)
+    kwargs = {"bucket": False, "progress": False, **kwargs}
+    return latim_jax.attribute(model, tokens, method, mode or "exact", **options, **kwargs)
 
 
 def layer_aggregate(result) -> np.ndarray:

@@ -18,10 +18,11 @@ ALIGN_FLOORS = {
     "align-mamba1": (0.99, "l2", 1, 0.23),
     "align-mamba2": (0.99, "l2", 1, 0.20),
 }
-# name -> (test length, retrieval accuracy floor, method, AUC floor at the best layer, value gold)
+# name -> (test length, retrieval accuracy floor, method, AUC floor at the best layer, value gold);
+# measured on these 8 sequences (4 needles, 2 queries, seed 123): needle-mamba2 at 1024 accuracy 1.000,
+# l2 (exact) AUC 1.000 and R@1 1.000 at layer 0
 NEEDLE_FLOORS = {
-    "needle-mamba1": (None, None, "l2", None),
-    "needle-mamba2": (None, None, "l2", None),
+    "needle-mamba2": (1024, 0.9, "l2", 0.95),
 }
 
 
