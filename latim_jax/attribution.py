@@ -219,6 +219,8 @@ def attribute(
     user_mask = mask
     length = None
     if bucket:
+        if tokens is not None and inputs_embeds is None:
+            tokens = model.check_tokens(tokens)  # before padding: errors name the caller's ids
         tokens, mask, inputs_embeds, length = pad_to_bucket(tokens, mask, inputs_embeds)
     x = model.prepare_inputs(tokens, mask, inputs_embeds, mesh=mesh)
     runtime = impl if mesh is None else Runtime(impl=impl, mesh=x.mesh)
