@@ -344,23 +344,29 @@ def layer_scores(
     return torch.where(total > 0, s / torch.where(total > 0, total, torch.ones_like(total)), eye)
 
 
-def logit_direction(model, captured: Captured):
-    """v_i = g_f * E_{w_i} / r_i (b, l, d), w_i = argmax logits_i, r_i the final norm's rms."""
+def logit_direction(model, captured: Captured, target=None):
+    """v_i = g_f * E_{w_i} / r_i (b, l, d), r_i the final norm's rms; w_i = ``target`` (int ids (b, l))
+    or, by default, the model's prediction argmax logits_i."""
     norm = model.backbone.norm_f
     hf = captured.h_final.float()
     r_inv = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    target = captured.logits.argmax(-1)
+    target = captured.logits.argmax(-1) if target is None else target
     return norm.weight * model.get_output_embeddings().weight[target] * r_inv
 
 
-def attribute(model, ids, method: str, mode: str = "exact", layers=None, *, fair=True, aggregation="minmax"):
-    """Scores (b, n_layers, l, l) for int ids (b, l), every layer (or ``layers``), fp32 torch tensor."""
+def attribute(
+    model, ids, method: str, mode: str = "exact", layers=None, *, target=None, fair=True, aggregation="minmax"
+):
+    """Scores (b, n_layers, l, l) for int ids (b, l), every layer (or ``layers``), fp32 torch tensor.
+
+    ``target``: the logit method's vocabulary entries (int ids (b, l)); default the model's prediction.
+    """
     options = Options(mode=mode, fair=fair, aggregation=aggregation)
     n = len(model.backbone.layers)
     layers = range(n) if layers is None else [x % n for x in layers]
     with numerics(fair), torch.inference_mode():
         cap = capture(model, ids)
-        direction = logit_direction(model, cap) if method == "logit" else None
+        direction = logit_direction(model, cap, target) if method == "logit" else None
         out = [
             layer_scores(
                 model.backbone.layers[i].mixer, cap.h[i], cap.xhat[i], cap.o[i], method, options, direction
