@@ -92,13 +92,13 @@ def measure_rates(args) -> dict:
         for dtype in ("float32", "bfloat16"):
             r = H.run_worker(
                 {"task": "matmul", "impl": impl, "dtype": dtype, "n": args.matmul_n},
-                cap_gib=args.cap_gib,
+                cap_gib=max(args.cap_gib, 4.0),
                 timeout_s=600,
             )
             rates[f"matmul_{impl}_{dtype}_gflops"] = r.get("gflops")
         r = H.run_worker(
             {"task": "exp", "impl": impl, "size": 1 << (20 if args.quick else 24)},
-            cap_gib=args.cap_gib,
+            cap_gib=max(args.cap_gib, 4.0),
             timeout_s=600,
         )
         rates[f"exp_{impl}_gexp_per_s"] = r.get("gexp_per_s")
@@ -114,7 +114,7 @@ def prepare(args, workdir: Path, shape_name: str, version: int, scope: str) -> t
     if not (path / "config.json").is_file():
         r = H.run_worker(
             {"task": "prepare", "shape": s, "model_dir": str(path), "seed": args.seed},
-            cap_gib=args.cap_gib,
+            cap_gib=max(args.cap_gib, 8.0),
             timeout_s=args.timeout_s,
         )
         if r["status"] != "ok":
