@@ -283,20 +283,30 @@ def mamba2_gate(M, lv: LayerValues, mixer):
     return mixer.norm.weight[None, :, None] * gz / rms.expand_as(q).reshape(b, e, L)
 
 
+def conv_weights(M, lv: LayerValues, a):
+    """W (b, e, l, l): W_ij = sum_k M_{i,j+k} a_k[j] (M_{i,t} = 0 for t > i), one pass per conv tap."""
+    b, e, L = lv.u.shape
+    W = torch.zeros(b, e, L, L)
+    Wc, Mc = _channels(W, lv), _per_channel(M, lv)
+    for k, a_k in enumerate(a):
+        Wc[..., : L - k].addcmul_(Mc[..., k:], _channels(a_k, lv)[..., None, : L - k])
+    return W
+
+
+def project(V, lv: LayerValues):
+    """T (b, d, l, l) = W_out @ V for V (b, e, l, l): one (d, e) x (e, l*l) matmul per prompt."""
+    b, e, L, _ = V.shape
+    return torch.matmul(lv.W_out, V.view(b, e, L * L)).view(b, -1, L, L)
+
+
 def contributions(mixer, xhat, options: Options):
     """T (b, d, l, l) channel-first: T[:, :, i, j] = T_i(x_j), zero for j > i."""
     lv = layer_values(mixer, xhat)
     M = hidden_attention(lv, options.fair)
     G = lv.G if lv.heads is None else mamba2_gate(M, lv, mixer)
-    a = tap_values(lv, mixer.activation, options.mode)
-    b, e, L = lv.u.shape
-    W = torch.zeros(b, e, L, L)
-    Wc, Mc = _channels(W, lv), _per_channel(M, lv)
-    for k, a_k in enumerate(a):  # W_ij = sum_k M_{i,j+k} a_k[j]  (M_{i,t} = 0 for t > i)
-        Wc[..., : L - k].addcmul_(Mc[..., k:], _channels(a_k, lv)[..., None, : L - k])
-    del M, Mc
-    W.mul_(G[..., None])  # V_ij = G_i * W_ij
-    return torch.matmul(lv.W_out, W.view(b, e, L * L)).view(b, -1, L, L)
+    W = conv_weights(M, lv, tap_values(lv, mixer.activation, options.mode))
+    del M
+    return project(W.mul_(G[..., None]), lv)  # V_ij = G_i * W_ij, then T = W_out V
 
 
 def aggregate(M, how: str):
