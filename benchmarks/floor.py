@@ -91,3 +91,29 @@ def fractions(w: dict, seconds: float | None, matmul_gflops, gexp_per_s) -> dict
         return {"floor_s": floor, "floor_fraction": None, "matmul_fraction": None}
     mm = 2 * w["projection_macs"] / seconds / (matmul_gflops * 1e9) if w["projection_macs"] else None
     return {"floor_s": floor, "floor_fraction": floor / seconds, "matmul_fraction": mm}
+
+
+def best_rates(*measured: dict) -> dict:
+    """Per rate, the highest of several measurements (start and end of a job on a shared machine:
+    the floor is the least time, so it takes the fastest rate observed)."""
+    keys = {k for m in measured for k in m}
+    return {k: max((m[k] for m in measured if m.get(k)), default=None) for k in sorted(keys)}
+
+
+def refloor(obj, rates: dict) -> None:
+    """Recompute the floor fractions of every record in ``obj`` (nested dicts/lists) that holds ``work``
+    and ``impl``, with ``rates`` (time: the median, else the first call)."""
+    if isinstance(obj, list):
+        for x in obj:
+            refloor(x, rates)
+        return
+    if not isinstance(obj, dict):
+        return
+    if "work" in obj and "impl" in obj:
+        lib = "jax" if obj["impl"] == "latim-jax" else "torch"
+        t = obj.get("median_s") or obj.get("first_s")
+        mm, ex = rates.get(f"matmul_{lib}_float32_gflops"), rates.get(f"exp_{lib}_gexp_per_s")
+        obj.update(fractions(obj["work"], t, mm, ex))
+    for v in obj.values():
+        if isinstance(v, dict | list):
+            refloor(v, rates)
