@@ -45,7 +45,7 @@ def resolve_source(
     """
     path = Path(source).expanduser()
     if path.is_dir():
-        return path
+        return path.absolute()
     if path.exists():
         raise SourceUnavailableError(
             "a checkpoint source must be a directory", file=source, expected="a directory", found="a file"
@@ -81,8 +81,16 @@ def _download(repo_id: str, *, revision: str | None, cache_dir: Any) -> Path:
     except ImportError as err:
         raise _unavailable(repo_id, "huggingface_hub is not installed") from err
     offline = _offline()
+    files, reason = None, ""
+    if not offline:
+        try:
+            files = _repo_files(huggingface_hub, repo_id, revision)
+        except Exception as err:  # unknown or gated repo: a clear error at once
+            if not _is_connection_error(err):
+                raise _unavailable(repo_id, f"{type(err).__name__}: {err}") from err
+            # the hub cannot be reached: use the local cache only (no retry loop)
+            offline, reason = True, f"the hub cannot be reached ({type(err).__name__}: {err}) and "
     try:
-        files = None if offline else huggingface_hub.list_repo_files(repo_id, revision=revision)
         local = huggingface_hub.snapshot_download(
             repo_id,
             revision=revision,
@@ -91,9 +99,25 @@ def _download(repo_id: str, *, revision: str | None, cache_dir: Any) -> Path:
             local_files_only=offline,
         )
     except Exception as err:  # network, offline mode, unknown repo, gated repo: all mean "not fetched"
-        reason = f"{'offline mode (HF_HUB_OFFLINE) and not in the local cache; ' if offline else ''}"
-        raise _unavailable(repo_id, f"{reason}{type(err).__name__}: {err}") from err
-    return Path(local)
+        if offline:
+            why = reason or "offline mode (HF_HUB_OFFLINE) and "
+            raise _unavailable(repo_id, f"{why}it is not in the local Hugging Face cache") from err
+        raise _unavailable(repo_id, f"{type(err).__name__}: {err}") from err
+    return Path(local).absolute()
+
+
+def _repo_files(huggingface_hub, repo_id: str, revision: str | None) -> list[str]:
+    """The repository's file names, in one request (``list_repo_files`` retries a failed connection
+    with back-off for about 25 s; ``model_info`` fails at once)."""
+    info = huggingface_hub.model_info(repo_id, revision=revision, timeout=10)
+    return [s.rfilename for s in info.siblings or []]
+
+
+def _is_connection_error(err: BaseException) -> bool:
+    """Whether ``err`` means the hub could not be reached (no network, DNS, timeout, proxy)."""
+    names = {c.__name__ for c in type(err).__mro__}
+    network = {"ConnectError", "ConnectTimeout", "TimeoutException", "NetworkError", "TransportError"}
+    return bool(names & (network | {"ConnectionError", "TimeoutError", "OfflineModeIsEnabled"}))
 
 
 def _offline() -> bool:

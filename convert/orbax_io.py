@@ -49,18 +49,24 @@ def save_checkpoint(
     tokenizer_dir: str | Path | None = None,
     *,
     overwrite: bool = False,
+    source: str | Path | None = None,
 ) -> Path:
     """Write ``params`` (checked against ``param_shapes(config)``), the config and tokenizer files.
 
     The tokenizer files of :data:`TOKENIZER_FILES` found in ``tokenizer_dir`` are copied. The write is
     atomic: into a temporary directory beside ``dest``, renamed at the end; on any failure nothing is
-    left at ``dest``. An existing non-empty ``dest`` is refused unless ``overwrite=True``. Returns the
+    left at ``dest``, and nothing is removed before the new checkpoint is complete. An existing
+    non-empty ``dest`` is refused unless ``overwrite=True``, and even then only a latim-jax checkpoint
+    (a directory holding latim_config.json) is replaced: any other non-empty directory is refused, so
+    an overwrite never deletes files latim-jax did not write. ``dest`` must not be, lie inside or
+    contain ``source`` (the checkpoint the params were read from) or ``tokenizer_dir``: that would
+    delete or mix with the input. Relative paths are relative to the current directory. Returns the
     absolute destination path.
     """
     dest = Path(dest).expanduser().absolute()
     check_params(config, params, source="params to save")
     tokenizer_files = _tokenizer_files(tokenizer_dir)
-    _check_destination(dest, overwrite)
+    check_destination(dest, overwrite, source=source, tokenizer_dir=tokenizer_dir)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.parent / f".{dest.name}.partial-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
@@ -80,7 +86,7 @@ def load_checkpoint(path: str | Path) -> tuple[MambaConfig, dict[str, Any]]:
 
     Arrays come back as numpy arrays in their saved dtypes; the tree is checked against the config.
     """
-    path = Path(path)
+    path = Path(path).expanduser().absolute()  # orbax needs an absolute path
     config = _read_config(path / CONFIG_FILE)
     params = _restore_params(path / PARAMS_DIR, config)
     check_params(config, params, source=f"{path.name}/{PARAMS_DIR}")
@@ -121,13 +127,47 @@ def _check_node(expected: Any, found: Any, path: tuple[str | int, ...], source: 
         )
 
 
-def _check_destination(dest: Path, overwrite: bool) -> None:
+def check_destination(
+    dest: str | Path,
+    overwrite: bool = False,
+    *,
+    source: str | Path | None = None,
+    tokenizer_dir: str | Path | None = None,
+) -> None:
+    """Raise unless :func:`save_checkpoint` may write ``dest`` (see its docstring): ValueError when
+    ``dest`` overlaps ``source`` or ``tokenizer_dir``, FileExistsError when it holds something that
+    must not be replaced. Callers run it before reading a large source."""
+    dest = Path(dest).expanduser().absolute()
+    for other in (source, tokenizer_dir):
+        _check_not_overlapping(dest, other)
     if not dest.exists():
         return
     if not dest.is_dir():
         raise FileExistsError(f"{dest} exists and is not a directory")
-    if any(dest.iterdir()) and not overwrite:
-        raise FileExistsError(f"{dest} exists and is not empty; pass overwrite=True to replace it")
+    if not any(dest.iterdir()):
+        return
+    if not overwrite:
+        raise FileExistsError(
+            f"{dest} exists and is not empty; pass overwrite=True (CLI: --overwrite) to replace it"
+        )
+    if not is_latim_checkpoint(dest):
+        raise FileExistsError(
+            f"{dest} is not a latim-jax checkpoint (no {CONFIG_FILE}); refusing to replace a directory "
+            "latim-jax did not write, even with overwrite: remove it yourself or pick another destination"
+        )
+
+
+def _check_not_overlapping(dest: Path, other: str | Path | None) -> None:
+    """Refuse a destination that is ``other``, lies inside it or contains it."""
+    if other is None:
+        return
+    a, b = dest.resolve(), Path(other).expanduser().resolve()
+    if a == b or a.is_relative_to(b) or b.is_relative_to(a):
+        how = "is" if a == b else ("lies inside" if a.is_relative_to(b) else "contains")
+        raise ValueError(
+            f"the destination {dest} {how} the source {other}: writing there would delete or mix with "
+            "the source checkpoint; pick a destination outside it"
+        )
 
 
 def _tokenizer_files(tokenizer_dir: str | Path | None) -> list[Path]:

@@ -4,6 +4,10 @@
 - "pallas": the Pallas kernel; on a CPU default backend it runs in interpret mode (the TPU variant).
 - "auto": Pallas on TPU and GPU, the reference on CPU.
 
+``impl`` may also be a :class:`latim_jax.sharding.Runtime` (the choice plus a device mesh): with a
+mesh, each Pallas scan runs inside ``jax.shard_map`` over (batch on "data", channels / heads on
+"model"); the XLA path is left to XLA's SPMD partitioner.
+
 ``block_sizes`` (a ``BlockSizes``) tunes the Pallas tiles; None takes ``BlockSizes.for_platform``.
 Both Pallas paths accept ``initial_state`` in the kernel and are differentiable (backward = VJP of the
 reference).
@@ -11,7 +15,11 @@ reference).
 
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from latim_jax.kernels.selective_scan import (
     selective_scan_pallas,
@@ -23,33 +31,78 @@ from latim_jax.kernels.ssd import ssd_pallas, ssd_reference, ssd_step_reference
 IMPLS = ("auto", "xla", "pallas")
 
 
-def check_impl(impl: str) -> str:
-    """Validate an ``impl`` name."""
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, found {impl!r}")
-    return impl
+def check_impl(impl) -> str:
+    """Validate an ``impl`` name (or the name inside a Runtime); returns the name."""
+    name = getattr(impl, "impl", impl)
+    if name not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, found {name!r}")
+    return name
 
 
-def use_pallas(impl: str) -> bool:
-    """Whether ``impl`` resolves to the Pallas kernel on the current default backend."""
-    check_impl(impl)
-    if impl == "auto":
+def use_pallas(impl) -> bool:
+    """Whether ``impl`` (a name or a Runtime) resolves to the Pallas kernel on the default backend."""
+    name = check_impl(impl)
+    if name == "auto":
         return jax.default_backend() in ("tpu", "gpu")
-    return impl == "pallas"
+    return name == "pallas"
+
+
+def _mesh_axes(impl, batch: int, channels: int):
+    """(mesh, batch axis, channel axis) for shard_map: an axis only where the mesh has it (size > 1)
+    and it divides the dimension (else that dimension stays whole on every device)."""
+    mesh = getattr(impl, "mesh", None)
+    if mesh is None:
+        return None, None, None
+    size = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
+    data = "data" if size.get("data", 1) > 1 and batch % size["data"] == 0 else None
+    model = "model" if size.get("model", 1) > 1 and channels % size["model"] == 0 else None
+    if data is None and model is None:
+        return None, None, None
+    return mesh, data, model
 
 
 def selective_scan(u, delta, A, B, C, D, initial_state=None, *, impl="auto", block_sizes=None):
     """Mamba-1 selective scan -> (y (b, l, e), final_state (b, e, n)). See kernels/selective_scan.py."""
-    if use_pallas(impl):
-        return selective_scan_pallas(u, delta, A, B, C, D, initial_state, block_sizes=block_sizes)
-    return selective_scan_reference(u, delta, A, B, C, D, initial_state)
+    if not use_pallas(impl):
+        return selective_scan_reference(u, delta, A, B, C, D, initial_state)
+    kernel = functools.partial(selective_scan_pallas, block_sizes=block_sizes)
+    mesh, data, model = _mesh_axes(impl, u.shape[0], u.shape[-1])
+    if mesh is None:
+        return kernel(u, delta, A, B, C, D, initial_state)
+    seq, chan, state = P(data, None, model), P(model), P(data, model, None)
+    bc = P(data, None, None)
+    if initial_state is None:
+        fn, args, specs = kernel, (u, delta, A, B, C, D), (seq, seq, P(model, None), bc, bc, chan)
+    else:
+        fn = kernel
+        args, specs = (u, delta, A, B, C, D, initial_state), (seq, seq, P(model, None), bc, bc, chan, state)
+    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=(seq, state), check_vma=False)(*args)
 
 
 def ssd(x, dt, A, B, C, D, chunk_size=64, initial_state=None, *, impl="auto", block_sizes=None):
     """Mamba-2 chunked SSD -> (y (b, l, h, p), final_state (b, h, p, n)). See kernels/ssd.py."""
-    if use_pallas(impl):
-        return ssd_pallas(x, dt, A, B, C, D, chunk_size, initial_state, block_sizes=block_sizes)
-    return ssd_reference(x, dt, A, B, C, D, chunk_size, initial_state)
+    if not use_pallas(impl):
+        return ssd_reference(x, dt, A, B, C, D, chunk_size, initial_state)
+    kernel = functools.partial(ssd_pallas, chunk_size=chunk_size, block_sizes=block_sizes)
+    mesh, data, model = _mesh_axes(impl, x.shape[0], x.shape[2])
+    if mesh is None:
+        return kernel(x, dt, A, B, C, D, initial_state=initial_state)
+    rep = x.shape[2] // B.shape[2]  # heads per B/C group
+
+    def local(x, dt, A, B, C, D, h0=None):
+        if model is not None:  # this shard's heads may span groups: give each local head its own group
+            heads = jax.lax.axis_index("model") * x.shape[2] + jnp.arange(x.shape[2])
+            B, C = (jnp.take(t, heads // rep, axis=2) for t in (B, C))
+        return kernel(x, dt, A, B, C, D, initial_state=h0)
+
+    heads, bc = P(data, None, model, None), P(data, None, None, None)
+    specs = [heads, P(data, None, model), P(model), bc, bc, P(model)]
+    args = [x, dt, A, B, C, D]
+    if initial_state is not None:
+        specs.append(P(data, model, None, None))
+        args.append(initial_state)
+    out = (heads, P(data, model, None, None))
+    return jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=out, check_vma=False)(*args)
 
 
 def selective_scan_step(state, u, delta, A, B, C, D):

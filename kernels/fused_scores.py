@@ -1,4 +1,4 @@
-"""Fused LaTIM scores: one layer's per-pair scores without ever writing T (latim-math.md, sections 4, 6).
+"""Fused LaTIM scores: one layer's per-pair scores without ever writing T (docs/method.md, sections 5 and 9).
 
 For target rows i (a subset ``rows`` of positions) and every source j, with the factors of
 :class:`latim_jax.decomposition.LayerFactors`:
@@ -428,8 +428,7 @@ def _finish(method, partial, x: _Prepared, rows, length: int):
     if method == "l2":
         s = jnp.sqrt(s)
     elif method == "alti":
-        full = jnp.sum(jnp.abs(x.hout[:, 0, :r]), axis=-1)[:, :, None]
-        s = jnp.maximum(0.0, full - s)
+        s = jnp.maximum(0.0, s)  # the partials are sums of alti_gain
     causal = jnp.arange(length)[None, :] <= rows[:, None]
     return jnp.where(causal[None], s, 0.0)
 

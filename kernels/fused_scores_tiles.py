@@ -28,14 +28,26 @@ def _dot_nt(a, b, precision):  # (m, k) (n, k) -> (m, n)
 # --------------------------------------------------------------------------------------------------
 
 
+def alti_gain(a, t):
+    """|a| - |a - t| elementwise, without cancellation: where a and a - t share a sign it is exactly
+    sign(a) * t (so t = 0 gives exactly 0); elsewhere |a| <= |t| and the direct form is accurate.
+    ALTI's raw score is max(0, sum_d alti_gain(hout_i, T'_ij)) = max(0, ||hout_i||_1 - ||hout_i - T'_ij||_1),
+    accurate to rounding relative to ||T'_ij||_1 rather than to ||hout_i||_1."""
+    rest = a - t
+    sign = jnp.where(a >= 0, 1.0, -1.0)
+    return jnp.where((a >= 0) == (rest >= 0), sign * t, jnp.abs(a) - jnp.abs(rest))
+
+
 def _reduce_d(method, T, x, axis):
-    """Partial score over a d tile: T the contributions, x = hout_i - [i=j] h_i (alti only)."""
+    """Partial score over a d tile: T the contributions; alti: x = (hout_i, [i=j] h_i) and the partial
+    sum of alti_gain(hout_i, T + [i=j] h_i)."""
     if method == "l2":
         return jnp.sum(T * T, axis=axis)
     if method == "l1":
         return jnp.sum(jnp.abs(T), axis=axis)
     if method == "alti":
-        return jnp.sum(jnp.abs(x - T), axis=axis)
+        hout, diag_h = x
+        return jnp.sum(alti_gain(hout, T + diag_h), axis=axis)
     return jnp.sum(T, axis=axis)  # logit: W_out is a ones column, G carries q
 
 
@@ -80,7 +92,7 @@ def _tpu_epilogue(method, acc_ref, hout_ref, rows, jpos, out_ref):
         x = None
         if method == "alti":
             h_i = _pick_lane(h_t, i)  # (dt, 1)
-            x = _pick_lane(hout_t, i) - jnp.where(jpos == _pick_lane(rows, i), h_i, 0.0)  # (dt, tj)
+            x = (_pick_lane(hout_t, i), jnp.where(jpos == _pick_lane(rows, i), h_i, 0.0))  # (dt, 1), (dt, tj)
         part = _reduce_d(method, acc_ref[i], x, axis=0)[None, :]  # (1, tj)
         return jnp.where(sub == i, part, out)
 
@@ -200,7 +212,10 @@ def _gpu_store(method, acc, hout_ref, rcol, jpos, out_ref):
     x = None
     if method == "alti":
         diag = (jpos == rcol)[:, :, None]
-        x = hout_ref[0][:, None, :] - jnp.where(diag, hout_ref[1][:, None, :], 0.0)  # (ti, tj, dt)
+        x = (
+            hout_ref[0][:, None, :],
+            jnp.where(diag, hout_ref[1][:, None, :], 0.0),
+        )  # (ti, 1, dt), (ti, tj, dt)
     out_ref[...] = _reduce_d(method, T, x, axis=-1)
 
 

@@ -1,4 +1,4 @@
-"""Mamba-1 selective scan: Pallas kernels (TPU and GPU variants), custom_vjp wrapper, pure-jnp reference.
+"""Mamba-1 selective scan: Pallas kernels (TPU and GPU variants), custom_jvp wrapper, pure-jnp reference.
 
     state_t[e, n] = exp(delta_t[e] A[e, n]) state_{t-1}[e, n] + delta_t[e] B_t[n] u_t[e]
     y_t[e]        = sum_n C_t[n] state_t[e, n] + D[e] u_t[e]
@@ -7,7 +7,7 @@ Shapes (glossary: b batch, l length, e inner width, n state size): u, delta (b, 
 B, C (b, l, n); D (e,); state (b, e, n). All math in fp32; y and the final state come back in fp32
 whatever the input dtype (every implementation returns the same pytree).
 
-Order of this file: kernels, forward driver, custom_vjp public function, references (last).
+Order of this file: kernels, forward driver, custom_jvp public function, references (last).
 """
 
 from __future__ import annotations
@@ -193,31 +193,21 @@ def _scan_forward(u, delta, A, B, C, D, initial_state, config):
 
 
 # --------------------------------------------------------------------------------------------------
-# Public function: custom_vjp whose backward is the VJP of the pure-jnp reference.
+# Public function: custom_jvp whose tangent is the JVP of the pure-jnp reference (so reverse mode is the
+# reference's VJP, and higher orders - e.g. differentiating a gradient x input score - work too).
 # --------------------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _scan_custom_vjp(u, delta, A, B, C, D, initial_state, config):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(7,))
+def _scan_custom(u, delta, A, B, C, D, initial_state, config):
     return _scan_forward(u, delta, A, B, C, D, initial_state, config)
 
 
-def _scan_fwd(u, delta, A, B, C, D, initial_state, config):
-    out = _scan_forward(u, delta, A, B, C, D, initial_state, config)
-    return out, (u, delta, A, B, C, D, initial_state)
-
-
-def _scan_bwd(config, residuals, cotangents):
-    del config
-    *args, initial_state = residuals
-    if initial_state is None:
-        _, vjp = jax.vjp(selective_scan_reference, *args)
-        return (*vjp(cotangents), None)
-    _, vjp = jax.vjp(selective_scan_reference, *args, initial_state)
-    return vjp(cotangents)
-
-
-_scan_custom_vjp.defvjp(_scan_fwd, _scan_bwd)
+@_scan_custom.defjvp
+def _scan_jvp(config, primals, tangents):
+    out = _scan_custom(*primals, config)
+    _, tangent_out = jax.jvp(selective_scan_reference, primals, tangents)
+    return out, tangent_out
 
 
 def selective_scan_pallas(
@@ -228,12 +218,14 @@ def selective_scan_pallas(
     platform: "tpu" | "gpu" kernel variant (None: ``jax.default_backend()``; on CPU the TPU variant).
     interpret: None runs interpret mode exactly when the default backend is CPU. ``initial_state``
     (b, e, n) is supported in the kernel (it seeds the carried state). Differentiable: the backward pass
-    is the VJP of ``selective_scan_reference``.
+    is the VJP of ``selective_scan_reference`` (a custom_jvp: any order of differentiation works).
     """
     target, interpret = resolve_target(platform, interpret)
     if block_sizes is None:
         block_sizes = BlockSizes.for_platform("cpu" if interpret else target)
-    return _scan_custom_vjp(u, delta, A, B, C, D, initial_state, (block_sizes, target, interpret))
+    if initial_state is None:  # the kernel always takes one: a custom_jvp needs array arguments
+        initial_state = jnp.zeros((u.shape[0], u.shape[2], A.shape[1]), jnp.float32)
+    return _scan_custom(u, delta, A, B, C, D, initial_state, (block_sizes, target, interpret))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -241,23 +233,50 @@ def selective_scan_pallas(
 # --------------------------------------------------------------------------------------------------
 
 
-def selective_scan_reference(u, delta, A, B, C, D, initial_state=None):
-    """Pure-jnp selective scan (associative scan over l). Returns (y (b, l, e), final_state (b, e, n))."""
+SCAN_CHUNK = 64  # time steps per chunk of the reference scan
+
+
+def selective_scan_reference(u, delta, A, B, C, D, initial_state=None, *, chunk: int = SCAN_CHUNK):
+    """Pure-jnp selective scan. Returns (y (b, l, e), final_state (b, e, n)).
+
+    Chunked so that memory stays O(chunk * e * n) per prompt, forward and backward: a lax.scan over
+    chunks of ``chunk`` steps carries the state (b, e, n); inside a chunk an associative scan over
+    (b, chunk, e, n). Each chunk is rematerialised under differentiation (jax.checkpoint), so the
+    backward keeps one state per chunk, never the (b, l, e, n) states. Padding past l has delta = 0
+    (decay 1, no input), which leaves the state unchanged.
+    """
     u, delta, B, C = (x.astype(jnp.float32) for x in (u, delta, B, C))
     A, D = A.astype(jnp.float32), D.astype(jnp.float32)
-    dA = jnp.exp(delta[..., None] * A)  # (b, l, e, n)
-    dBu = (delta * u)[..., None] * B[:, :, None, :]  # (b, l, e, n)
-    if initial_state is not None:
-        dBu = dBu.at[:, 0].add(dA[:, 0] * initial_state.astype(jnp.float32))
+    b, l, e = u.shape
+    q = min(chunk, l)
+    pad = -l % q
+
+    def chunks(x):  # (b, l, ...) -> (l / q, b, q, ...), zero-padded
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.swapaxes(x.reshape(b, -1, q, *x.shape[2:]), 0, 1)
 
     def combine(left, right):
         a_l, b_l = left
         a_r, b_r = right
         return a_l * a_r, a_r * b_l + b_r
 
-    _, states = jax.lax.associative_scan(combine, (dA, dBu), axis=1)  # (b, l, e, n)
-    y = jnp.einsum("blen,bln->ble", states, C) + D * u
-    return y, states[:, -1]
+    @jax.checkpoint
+    def step(h, xs):
+        u_c, d_c, B_c, C_c = xs  # (b, q, e), (b, q, e), (b, q, n), (b, q, n)
+        dA = jnp.exp(d_c[..., None] * A)  # (b, q, e, n)
+        dBu = (d_c * u_c)[..., None] * B_c[:, :, None, :]
+        dBu = dBu.at[:, 0].add(dA[:, 0] * h)
+        _, states = jax.lax.associative_scan(combine, (dA, dBu), axis=1)
+        return states[:, -1], jnp.einsum("bqen,bqn->bqe", states, C_c)
+
+    h0 = (
+        jnp.zeros((b, e, A.shape[1]), jnp.float32)
+        if initial_state is None
+        else initial_state.astype(jnp.float32)
+    )
+    final, ys = jax.lax.scan(step, h0, tuple(chunks(x) for x in (u, delta, B, C)))
+    y = jnp.swapaxes(ys, 0, 1).reshape(b, -1, e)[:, :l]
+    return y + D * u, final
 
 
 def selective_scan_step_reference(state, u, delta, A, B, C, D):

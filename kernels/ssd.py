@@ -1,4 +1,4 @@
-"""Mamba-2 SSD (state-space duality) scan, chunked: Pallas kernels (TPU and GPU variants), custom_vjp
+"""Mamba-2 SSD (state-space duality) scan, chunked: Pallas kernels (TPU and GPU variants), custom_jvp
 wrapper, pure-jnp references.
 
     state_t[h] = exp(dt_t[h] A[h]) state_{t-1}[h] + dt_t[h] x_t[h] (outer) B_t[g(h)]   (p, n)
@@ -9,7 +9,7 @@ Head h reads group g(h) = h // (h_total / g) (contiguous blocks of heads). dt is
 n state size, q chunk length): x (b, l, h, p); dt (b, l, h); A (h,); B, C (b, l, g, n); D (h,);
 state (b, h, p, n). All math in fp32; any l >= 1 (padded to the chunk internally).
 
-Order of this file: kernels, forward driver, custom_vjp public function, references (last).
+Order of this file: kernels, forward driver, custom_jvp public function, references (last).
 """
 
 from __future__ import annotations
@@ -259,32 +259,26 @@ def _ssd_forward(x, dt, A, B, C, D, chunk_size, initial_state, config):
 
 
 # --------------------------------------------------------------------------------------------------
-# Public function: custom_vjp whose backward is the VJP of the pure-jnp reference.
+# Public function: custom_jvp whose tangent is the JVP of the pure-jnp reference (so reverse mode is the
+# reference's VJP, and higher orders work too).
 # --------------------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 8))
-def _ssd_custom_vjp(x, dt, A, B, C, D, chunk_size, initial_state, config):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(6, 8))
+def _ssd_custom(x, dt, A, B, C, D, chunk_size, initial_state, config):
     return _ssd_forward(x, dt, A, B, C, D, chunk_size, initial_state, config)
 
 
-def _ssd_fwd(x, dt, A, B, C, D, chunk_size, initial_state, config):
-    out = _ssd_forward(x, dt, A, B, C, D, chunk_size, initial_state, config)
-    return out, (x, dt, A, B, C, D, initial_state)
+@_ssd_custom.defjvp
+def _ssd_jvp(chunk_size, config, primals, tangents):
+    x, dt, A, B, C, D, h0 = primals
+    out = _ssd_custom(x, dt, A, B, C, D, chunk_size, h0, config)
 
+    def reference(x, dt, A, B, C, D, h0):
+        return ssd_reference(x, dt, A, B, C, D, chunk_size, initial_state=h0)
 
-def _ssd_bwd(chunk_size, config, residuals, cotangents):
-    del config
-    *args, initial_state = residuals
-    reference = functools.partial(ssd_reference, chunk_size=chunk_size)
-    if initial_state is None:
-        _, vjp = jax.vjp(reference, *args)
-        return (*vjp(cotangents), None)
-    _, vjp = jax.vjp(lambda *a: reference(*a[:-1], initial_state=a[-1]), *args, initial_state)
-    return vjp(cotangents)
-
-
-_ssd_custom_vjp.defvjp(_ssd_fwd, _ssd_bwd)
+    _, tangent_out = jax.jvp(reference, primals, tangents)
+    return out, tangent_out
 
 
 def ssd_pallas(
@@ -296,7 +290,7 @@ def ssd_pallas(
     it beyond rounding. platform: "tpu" | "gpu" kernel variant (None: ``jax.default_backend()``; on CPU
     the TPU variant); interpret: None runs interpret mode exactly when the default backend is CPU.
     ``initial_state`` (b, h, p, n) is supported in the kernel. Differentiable: the backward pass is the
-    VJP of ``ssd_reference``.
+    VJP of ``ssd_reference`` (a custom_jvp: any order of differentiation works).
     """
     target, interpret = resolve_target(platform, interpret)
     if block_sizes is None:
@@ -304,7 +298,9 @@ def ssd_pallas(
     if x.shape[2] % B.shape[2]:
         raise ValueError(f"heads h={x.shape[2]} must be a multiple of groups g={B.shape[2]}")
     config = (block_sizes, target, interpret)
-    return _ssd_custom_vjp(x, dt, A, B, C, D, chunk_size, initial_state, config)
+    if initial_state is None:  # the kernel always takes one: a custom_jvp needs array arguments
+        initial_state = jnp.zeros((x.shape[0], x.shape[2], x.shape[3], B.shape[-1]), jnp.float32)
+    return _ssd_custom(x, dt, A, B, C, D, chunk_size, initial_state, config)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """latim-jax: LaTIM token-to-token interactions for Mamba-1 and Mamba-2 in JAX.
 
 Public API: :func:`load`, :func:`attribute`, :func:`contributions`, :func:`conservation_error`,
-:class:`Attribution`, :class:`MambaConfig`, :class:`MambaLM`.
+:class:`Attribution`, :class:`MambaConfig`, :class:`MambaLM`, :func:`shard` (lay a model out on a device
+mesh; see :mod:`latim_jax.sharding`).
 """
 
 __version__ = "0.1.0"
@@ -11,6 +12,7 @@ from latim_jax.config import MambaConfig  # noqa: E402
 from latim_jax.loading import load  # noqa: E402
 from latim_jax.model import MambaLM  # noqa: E402
 from latim_jax.results import Attribution  # noqa: E402
+from latim_jax.sharding import shard  # noqa: E402
 
 __all__ = [
     "Attribution",
@@ -20,5 +22,6 @@ __all__ = [
     "conservation_error",
     "contributions",
     "load",
+    "shard",
     "__version__",
 ]

@@ -1,4 +1,9 @@
-"""The public attribution API: contributions, attribute, conservation_error and the Attribution result."""
+"""The public attribution API: contributions, attribute, conservation_error and the Attribution result.
+
+Each layer is scored by one jitted per-layer function (all layers of a model share its graph
+structure, so it compiles once whatever the depth), called in a Python loop over the requested
+layers after one forward pass for the residual streams.
+"""
 
 from __future__ import annotations
 
@@ -10,218 +15,388 @@ import jax.numpy as jnp
 import numpy as np
 
 from latim_jax.baselines import grad_input_scores
-from latim_jax.decomposition import check_mode, full_contributions, layer_factors
+from latim_jax.decomposition import block_factors, check_mode, full_contributions
+from latim_jax.inputs import check_layers, check_rows, is_traced
 from latim_jax.jit import jit_model_fn
 from latim_jax.kernels.dispatch import check_impl
 from latim_jax.layers import f32
+from latim_jax.memory import HEAD_CHUNK, check_fits
+from latim_jax.memory import available as available_memory
+from latim_jax.progress import progress as progress_bar
 from latim_jax.results import Attribution
-from latim_jax.scores import METHODS, Blocks, layer_scores, normalise_alti, token_sum
+from latim_jax.scores import (
+    AGGREGATIONS,
+    DEFAULT_AGGREGATION,
+    METHODS,
+    Blocks,
+    kept_pairs,
+    layer_scores,
+    token_sum,
+)
+from latim_jax.sharding import DATA, P, Runtime, gather, pad_batch, put
+from latim_jax.stream import StreamWriter, load_streamed
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Contributions:
-    """One layer's decomposition: T (b, l, l, d) with T[:, i, j] = T_i(x_j) (zero for j > i),
-    bias (b, l, d) the non-token term beta, output (b, l, d) the mixer output o (no residual)."""
+    """One layer's decomposition: T (b, l, l, d) with T[:, i, j] = T_i(x_j) (zero for j > i and for pad
+    sources), bias (b, l, d) the non-token term beta, output (b, l, d) the mixer output o (no residual)."""
 
     T: jax.Array
     bias: jax.Array
     output: jax.Array
 
 
-def _layer_input(model, tokens, layer, impl):
-    """The residual stream entering ``layer`` (already validated by :func:`_check_layer`)."""
-    model.check_tokens(tokens)
-    return model.forward(tokens, impl=impl).residuals[layer]
-
-
 def _check_layer(model, layer):
-    n = model.config.n_layers
-    if not isinstance(layer, int | np.integer) or not -n <= layer < n:
-        raise ValueError(f"layer must be an int in [0, {n}), found {layer!r}")
-    return int(layer) % n
+    if isinstance(layer, bool) or not isinstance(layer, int | np.integer):
+        raise ValueError(f"layer must be an int in [0, {model.config.n_layers}), found {layer!r}")
+    return check_layers(int(layer), model.config.n_layers)[0]
 
 
-def contributions(model, tokens, layer: int, mode: str = "exact", *, impl: str = "auto") -> Contributions:
+def _layer_input(model, tokens, layer, impl, *, mask=None, inputs_embeds=None):
+    """(residual stream entering ``layer``, validated mask)."""
+    x = model.prepare_inputs(tokens, mask, inputs_embeds)
+    return run_layers(model, x.h, x.mask, impl, stop=layer)[layer], x.mask
+
+
+def run_layers(model, h, mask, impl, stop=None):
+    """[h^0, h^1, ..] the residual streams entering layers 0..stop (all, and the final stream, when
+    stop is None), one jitted block call per layer."""
+    from latim_jax.model import block_forward
+
+    streams = [h]
+    for block in model.layers[: stop if stop is not None else len(model.layers)]:
+        h = block_forward(block, h, mask, impl=impl)
+        streams.append(h)
+    return streams
+
+
+def contributions(
+    model, tokens=None, layer: int = 0, mode: str = "exact", *, mask=None, inputs_embeds=None, impl="auto"
+) -> Contributions:
     """Materialise layer ``layer``'s token-to-token contributions (for small inputs and tests).
 
     ``sum_j T[:, i, j] + bias[:, i] == output[:, i]`` holds to float rounding in ``mode="exact"``;
-    ``mode="paper"`` is the published additive approximation (bias = out_proj bias only).
+    ``mode="paper"`` is the published additive approximation (bias = out_proj bias only). ``mask``
+    (b, l) of valid positions (padding contributes nothing; see :func:`attribute`), ``inputs_embeds``
+    (b, l, d) instead of token ids.
     """
     check_mode(mode)
-    tokens = jnp.asarray(tokens)
     layer = _check_layer(model, layer)
-    h = _layer_input(model, tokens, layer, impl)
-    f = layer_factors(model, h, layer, mode, impl=impl)
-    return Contributions(T=full_contributions(f), bias=f.bias, output=f.output)
+    h, mask = _layer_input(model, tokens, layer, impl, mask=mask, inputs_embeds=inputs_embeds)
+    return _layer_contributions(model.layers[layer], h, mask, mode=mode, impl=impl)
 
 
-def conservation_error(model, tokens, layer: int, mode: str = "exact", *, impl: str = "auto") -> float:
-    """max_i ||sum_j T_i(x_j) + beta_i - o_i||_2 / max_i ||o_i||_2 for one layer.
+@jit_model_fn(static_argnames=("mode", "impl"))
+def _layer_contributions(block, h, mask, *, mode, impl):
+    f = block_factors(block, h, mode, mask=mask, impl=impl)
+    T = full_contributions(f)
+    if mask is not None:
+        T = T * (mask[:, :, None, None] & mask[:, None, :, None])
+    return Contributions(T=T, bias=f.bias, output=f.output)
 
-    Evaluated block by block (O(l) memory per row).
 
-    In exact mode this is float rounding (about 1e-6 in fp32); in paper mode it is the approximation.
+def conservation_error(
+    model, tokens=None, layer: int = 0, mode: str = "exact", *, mask=None, inputs_embeds=None, impl="auto"
+) -> float:
+    """max_i ||sum_j T_i(x_j) + beta_i - o_i||_2 / max_i ||o_i||_2 for one layer, over real positions.
+
+    Evaluated block by block (O(l) memory per row), independently of the O(l) scan that
+    :func:`attribute` uses for the paper-mode error. In exact mode this is float rounding (about 1e-6
+    in fp32); in paper mode it is the approximation.
     """
     check_mode(mode)
-    tokens = jnp.asarray(tokens)
     layer = _check_layer(model, layer)
-    h = _layer_input(model, tokens, layer, impl)
-    f = layer_factors(model, h, layer, mode, impl=impl)
+    h, mask = _layer_input(model, tokens, layer, impl, mask=mask, inputs_embeds=inputs_embeds)
+    return float(_layer_conservation(model.layers[layer], h, mask, mode=mode, impl=impl))
+
+
+@jit_model_fn(static_argnames=("mode", "impl"))
+def _layer_conservation(block, h, mask, *, mode, impl):
+    f = block_factors(block, h, mode, mask=mask, impl=impl)
     rec = token_sum(f, jnp.arange(f.length)) + f.bias
-    err = jnp.linalg.norm(rec - f.output, axis=-1).max() / jnp.linalg.norm(f.output, axis=-1).max()
-    return float(err)
+    valid = 1.0 if mask is None else mask.astype(f32)
+    num = jnp.linalg.norm(rec - f.output, axis=-1) * valid
+    den = jnp.linalg.norm(f.output, axis=-1) * valid
+    return num.max() / den.max()
 
 
 def attribute(
     model,
-    tokens,
+    tokens=None,
     method: str = "alti",
     mode: str = "exact",
-    layers: Sequence[int] | None = None,
-    rows: Sequence[int] | None = None,
+    layers: Sequence[int] | int | None = None,
+    rows: Sequence[int] | int | None = None,
     mask=None,
     *,
     target=None,
     impl: str = "auto",
     blocks: Blocks | None = None,
+    aggregation: str = DEFAULT_AGGREGATION,
+    inputs_embeds=None,
+    mesh=None,
+    top_k: int | None = None,
+    out_dtype: str = "float32",
+    stream_to=None,
+    memory_limit="auto",
+    progress: bool | None = None,
+    hold_fixed: bool = False,
 ) -> Attribution:
     """Token-to-token attribution scores for every (or the selected) layer of a Mamba model.
 
     Args:
       model: a :class:`latim_jax.model.MambaLM` (from :func:`latim_jax.load`).
-      tokens: int ids (B, L).
+      tokens: int ids (B, L) (validated before any cast: ids must lie in the vocabulary).
       method: "l2", "l1", "alti", "logit" (LaTIM scores), "hidden_attention" or "grad_input" (baselines).
       mode: "exact" (contributions sum to the layer output) or "paper" (the published approximation).
-      layers: layer indices (default: all).
-      rows: target positions to score (default: all L); a subset costs O(L) per row.
-      mask: optional (B, L) bool of valid positions (padding on the right); masked rows/columns are 0.
+      layers: layer indices, or one int (default: all).
+      rows: target positions to score, or one int (default: all L; negative counts from the end); a
+        subset costs O(L) per row.
+      mask: optional (B, L) bool of valid positions, one contiguous run per row (left and/or right
+        padding; holes are refused). Padding is skipped by the model (zero conv input and Delta), so
+        every real row equals the prompt alone; rows and columns of padding are exactly 0, and so are
+        the logit extras there; the paper-mode error averages real positions only.
       target: vocabulary entries for "logit"/"grad_input": None (the model's own prediction at each
         position), an int, or ints (B, L).
       impl: "auto" (Pallas kernels on TPU/GPU, XLA on CPU), "xla", or "pallas" (the scan kernels and the
         fused score kernel; interpret mode on CPU).
       blocks: block sizes of the memory-bounded path.
+      aggregation: hidden attention over channels/heads: "minmax" (default), "abs" or "signed" (see
+        :mod:`latim_jax.scores`); other methods ignore it.
+      inputs_embeds: (B, L, d) embeddings instead of ``tokens`` (then ``result.tokens`` is None).
+      mesh: a ``jax.sharding.Mesh`` with axes "data" and/or "model" (see :mod:`latim_jax.sharding`):
+        prompts are split over "data", the layers run model-parallel over "model" and each layer's
+        target rows are split over "model"; the model is laid out on the mesh first (in place) unless
+        it already is. The result is the same as without a mesh, to float rounding.
+      top_k: keep only the k strongest sources of each target row (scores (B, n_layers, R, k) in
+        decreasing order, positions in ``extra["sources"]``); the full matrix of one layer at a time
+        is still computed, but the output is O(R k) per layer.
+      out_dtype: "float32" (default), "bfloat16" or "float16" for the returned scores (each layer is
+        computed in fp32 and rounded once: bf16 keeps ~3 significant digits).
+      stream_to: a directory (new or empty): each layer's scores are written there as soon as they are
+        computed (:mod:`latim_jax.stream`), and the result's scores are a read-only memmap of it.
+      memory_limit: "auto" (the free host or device memory), a number of bytes, or None (no check).
+        The call's peak is estimated first (:mod:`latim_jax.memory`) and a call that would not fit is
+        refused with an error naming the options that do (rows=[-1], fewer layers, top_k, bf16
+        output, streaming, a smaller batch).
+      progress: a progress bar over layers on stderr (None: when stderr is a terminal and L >= 1024).
+      hold_fixed: gradients only. False (default): ``jax.grad`` of a score is the true gradient,
+        through everything the score depends on. True: no gradient through the quantities LaTIM
+        holds fixed in the scored layer (Delta, B, C, the activation gate, the output gate / group
+        norm, the pre-norm scale, and for "logit" the final norm's scale), i.e. the gradient of the
+        decomposition's linear map; the values are the same either way. grad_input ignores it.
 
-    Returns an :class:`Attribution` whose ``scores`` are (B, n_layers, R, L) float32. Pure JAX: works
-    under ``jax.jit`` and ``jax.vmap`` (NaN checks and id range checks run only on concrete inputs).
+    Returns an :class:`Attribution` whose ``scores`` are (B, n_layers, R, L) (or top_k) in
+    ``out_dtype``, exactly 0 above the diagonal. Pure JAX: works under ``jax.jit``, ``jax.vmap`` and
+    ``jax.grad`` (value checks, the memory check and streaming need concrete inputs).
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, found {aggregation!r}")
     check_mode(mode)
     check_impl(impl)
-    tokens = jnp.asarray(tokens)
-    model.check_tokens(tokens)
-    B, L = tokens.shape
+    if blocks is not None and not isinstance(blocks, Blocks):
+        raise ValueError(f"blocks must be a latim_jax.scores.Blocks, found {type(blocks).__name__}")
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, found {out_dtype!r}")
+    x = model.prepare_inputs(tokens, mask, inputs_embeds, mesh=mesh)
+    runtime = impl if mesh is None else Runtime(impl=impl, mesh=x.mesh)
+    mask = x.mask
+    B, L = x.h.shape[:2]
     n = model.config.n_layers
-    layer_list = tuple(range(n)) if layers is None else tuple(_check_layer(model, x) for x in layers)
-    if not layer_list:
-        raise ValueError("layers must name at least one layer")
-    row_list = None if rows is None else tuple(_check_row(r, L) for r in rows)
-    if row_list is not None and not row_list:
-        raise ValueError("rows must name at least one position")
-    if mask is not None:
-        mask = jnp.asarray(mask)
-        if mask.shape != (B, L):
-            raise ValueError(f"mask must have shape (batch, length) = {(B, L)}, found {tuple(mask.shape)}")
-        mask = mask.astype(bool)
-    targets = _targets(target, B, L, model.config.vocab_size)
+    layer_list = check_layers(layers, n)
+    row_list = check_rows(rows, L)
     row_idx = jnp.arange(L) if row_list is None else jnp.asarray(row_list, jnp.int32)
-    scores, extra = _attribute(
-        model,
-        tokens,
-        row_idx,
-        targets,
-        method=method,
-        mode=mode,
-        layers=layer_list,
-        impl=impl,
-        blocks=blocks,
-        whole=row_list is None and layer_list == tuple(range(n)),
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= L):
+        raise ValueError(f"top_k must be an int in [1, {L}] (the length), found {top_k!r}")
+    if stream_to is not None and (top_k is not None or is_traced(x.h) or out_dtype == "bfloat16"):
+        raise ValueError(
+            "stream_to needs concrete inputs, whole score matrices (not top_k) and float32 or float16"
+        )
+    whole = row_list is None and layer_list == tuple(range(n))
+    if memory_limit is not None and not is_traced(x.h):
+        limit = available_memory() if memory_limit == "auto" else int(memory_limit)
+        n_rows = None if row_list is None else len(row_list)
+        n_layers = None if layer_list == tuple(range(n)) else len(layer_list)
+        check_fits(
+            model, x.batch, L, limit=limit, method=method, rows=n_rows, layers=n_layers, top_k=top_k,
+            out_dtype=out_dtype, stream=stream_to is not None, blocks=blocks,
+        )  # fmt: skip
+    targets = _targets(target, x.batch, L, model.config.vocab_size)
+    if targets is not None and mesh is not None:
+        size = runtime.axis_size(DATA)
+        targets = put(pad_batch(targets, size), x.mesh, P(DATA if size > 1 else None))
+
+    streams = run_layers(model, x.h, mask, runtime)
+    targets, logit = _head_targets(model, streams[-1], targets)
+    extra = {"targets": targets}
+    direction = (
+        _logit_direction(model, streams[-1], targets, hold_fixed=bool(hold_fixed))
+        if method == "logit"
+        else None
     )
-    if mask is not None:
-        scores, extra = _apply_mask(scores, extra, mask, row_idx, method)
-    result = Attribution(
-        scores=scores,
-        tokens=tokens,
-        extra=extra,
-        method=method,
-        mode=mode,
-        layers=layer_list,
-        rows=row_list,
-        model=getattr(model, "source", None) or "",
-    )
-    result.check_finite()
-    return result
+    keep = (lambda a: a) if mesh is None else (lambda a: jax.tree.map(lambda v: v[: x.batch], gather(a)))
+    shape = (x.batch, len(layer_list), len(row_idx), L if top_k is None else top_k)
+    sink = StreamWriter(stream_to, shape, out_dtype) if stream_to is not None else None
+    show = progress if progress is not None else (L >= 1024 and len(layer_list) > 1)
+    scores, per_layer = [], []
+    with_alti = method == "logit" and whole
+    try:
+        for k, layer in enumerate(progress_bar(layer_list, desc=f"{method} layers", enabled=show)):
+            if method == "grad_input":
+                out = {"scores": grad_input_scores(model, streams[layer], layer, row_idx, targets, mask=mask,
+                                                   impl=runtime)}  # fmt: skip
+            else:
+                out = _layer_attribution(
+                    model.layers[layer], streams[layer], mask, row_idx, direction, method=method, mode=mode,
+                    impl=runtime, blocks=blocks, aggregation=aggregation, with_alti=with_alti,
+                    hold_fixed=bool(hold_fixed),
+                )  # fmt: skip
+            out = keep(out)
+            s = out.pop("scores")
+            _check_finite(s, method, layer)
+            if top_k is not None:
+                s, sources = _top_k(s, top_k, row_idx, keep(mask))
+                out["sources"] = sources
+            s = s.astype(out_dtype)
+            if sink is not None:
+                sink.write(k, s)
+            else:
+                scores.append(s)
+            per_layer.append(out)
+        rows_valid = None if mask is None else mask[:, row_idx]
+        if method == "logit":
+            extra["direct"] = _masked(
+                jnp.einsum("bld,bld->bl", streams[0], direction)[:, row_idx], rows_valid
+            )
+            extra["bias"] = jnp.stack([p["bias"] for p in per_layer], 1)
+            extra["logit"] = _masked(logit[:, row_idx], rows_valid)
+            if whole:
+                extra["alti"] = jnp.stack([p["alti"] for p in per_layer], 1)
+        if mode == "paper" and method not in ("hidden_attention", "grad_input"):
+            extra["approximation_error"] = jnp.stack([p["error"] for p in per_layer], 1)
+        if top_k is not None:
+            extra["sources"] = jnp.stack([p["sources"] for p in per_layer], 1)
+        extra = {k: (keep(v) if k in ("targets", "direct", "logit") else v) for k, v in extra.items()}
+        result = Attribution(
+            scores=None if sink is not None else jnp.stack(scores, 1),
+            tokens=keep(x.tokens),
+            extra=extra,
+            method=method,
+            mode=mode,
+            layers=layer_list,
+            rows=row_list,
+            model=getattr(model, "source", None) or "",
+            mask=keep(mask),
+            aggregation=aggregation if method == "hidden_attention" else None,
+            top_k=top_k,
+        )
+        if sink is not None:
+            sink.finish(result.meta(), result.arrays())
+            return load_streamed(stream_to)
+        return result
+    except BaseException:
+        if sink is not None:
+            sink.abort()
+        raise
 
 
-def _check_row(r, L):
-    if not isinstance(r, int | np.integer) or not -L <= r < L:
-        raise ValueError(f"rows must be ints in [0, {L}), found {r!r}")
-    return int(r) % L
+OUT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _check_finite(s, method, layer) -> None:
+    """FloatingPointError naming the layer when its scores hold NaN/inf (concrete values only; one
+    boolean crosses to the host)."""
+    if not is_traced(s) and not bool(jnp.isfinite(s).all()):
+        raise FloatingPointError(f"non-finite {method} scores at layer(s) [{layer}]")
+
+
+def _top_k(s, k: int, rows, mask):
+    """The k largest scores per row (b, r, k) among its sources (j <= i, real) and their positions;
+    past a row's sources (and on padding rows) the score is 0 and the position -1."""
+    keep = kept_pairs(rows, s.shape[-1], mask)
+    values, sources = jax.lax.top_k(jnp.where(keep, s, -jnp.inf), k)
+    valid = jnp.arange(k)[None, None, :] < jnp.sum(keep, axis=-1, keepdims=True)
+    return jnp.where(valid, values, 0.0), jnp.where(valid, sources, -1).astype(jnp.int32)
+
+
+@jit_model_fn
+def _head_targets(model, h, targets):
+    """(targets (b, l), the logit of each target (b, l)) without the (b, l, v) logits: the head runs
+    over chunks of positions (memory.HEAD_CHUNK); targets None -> the model's own argmax."""
+    b, L, d = h.shape
+    q = min(HEAD_CHUNK, L)
+    pad = -L % q
+    hp = jnp.pad(h, ((0, 0), (0, pad), (0, 0))).reshape(b, -1, q, d).swapaxes(0, 1)  # (chunks, b, q, d)
+    given = targets is not None
+    tp = jnp.zeros((b, L + pad), jnp.int32) if not given else jnp.pad(targets, ((0, 0), (0, pad)))
+    tp = tp.reshape(b, -1, q).swapaxes(0, 1)
+
+    def chunk(args):
+        hc, tc = args
+        logits = model.head(hc)  # (b, q, v)
+        tc = tc if given else jnp.argmax(logits, -1).astype(jnp.int32)
+        return tc, jnp.take_along_axis(logits, tc[..., None], -1)[..., 0]
+
+    t, v = jax.lax.map(chunk, (hp, tp))
+    return t.swapaxes(0, 1).reshape(b, -1)[:, :L], v.swapaxes(0, 1).reshape(b, -1)[:, :L]
+
+
+def _masked(x, valid):
+    return x if valid is None else jnp.where(valid, x, 0.0)
 
 
 def _targets(target, B, L, vocab):
+    """Target vocabulary entries (B, L) int32, validated before any cast (concrete values only)."""
     if target is None:
         return None
-    t = jnp.asarray(target)
+    if is_traced(target):
+        t = target
+    else:
+        t = np.asarray(target)
+        if t.dtype == object or not np.issubdtype(t.dtype, np.integer):
+            raise ValueError(f"target must be an int or int ids of shape {(B, L)}, found dtype {t.dtype}")
+        if t.size and (int(t.min()) < 0 or int(t.max()) >= vocab):
+            raise ValueError(f"target ids must lie in [0, {vocab}), found min {t.min()} max {t.max()}")
     if t.ndim == 0:
-        t = jnp.full((B, L), t)
-    if t.shape != (B, L) or not jnp.issubdtype(t.dtype, jnp.integer):
+        t = jnp.full((B, L), t, jnp.int32)
+    if tuple(t.shape) != (B, L) or not jnp.issubdtype(t.dtype, jnp.integer):
         raise ValueError(
             f"target must be an int or int ids of shape {(B, L)}, found {t.dtype} {tuple(t.shape)}"
         )
-    if not isinstance(t, jax.core.Tracer) and (int(t.min()) < 0 or int(t.max()) >= vocab):
-        raise ValueError(f"target ids must lie in [0, {vocab})")
-    return t
+    return jnp.asarray(t).astype(jnp.int32)
 
 
-@jit_model_fn(static_argnames=("method", "mode", "layers", "impl", "blocks", "whole"))
-def _attribute(model, tokens, rows, targets, method, mode, layers, impl, blocks, whole):
-    out = model.forward(tokens, impl=impl)
-    if targets is None:
-        targets = jnp.argmax(out.logits, -1)
-    extra = {"targets": targets}
-    # logit direction v_i = g_f * E_{w_i} / r_i, r_i from the stream entering the final norm
-    h_final = out.residuals[-1]
+@jit_model_fn(static_argnames=("hold_fixed",))
+def _logit_direction(model, h_final, targets, hold_fixed=False):
+    """v_i = g_f * E_{w_i} / r_i (b, l, d), r_i from the stream entering the final norm (held fixed:
+    no gradient through r_i)."""
     r_inv = jax.lax.rsqrt(jnp.mean(h_final * h_final, -1, keepdims=True) + model.config.rms_eps)
-    direction = (
-        model.norm_f[...].astype(f32) * jnp.take(model.unembedding, targets, axis=0).astype(f32) * r_inv
-    )
-    scores, approx, alti, bias_terms = [], [], [], []
-    for layer in layers:
-        h = out.residuals[layer]
-        if method == "grad_input":
-            scores.append(grad_input_scores(model, h, layer, rows, targets, impl=impl))
-            continue
-        f = layer_factors(model, h, layer, mode, impl=impl)
-        aux = jnp.einsum("bld,ed->ble", direction, f.W_out) if method == "logit" else None
-        scores.append(layer_scores(f, method, rows, blocks=blocks, aux=aux, impl=impl))
-        if method == "logit":
-            bias_terms.append(jnp.einsum("bld,bld->bl", f.bias, direction)[:, rows])
-            if whole:
-                alti.append(layer_scores(f, "alti", rows, blocks=blocks, impl=impl))
-        if mode == "paper" and method != "hidden_attention":
-            rec = f.token_total + f.bias  # O(l): one scan (test_attribution checks it == token_sum)
-            rel = jnp.linalg.norm(rec - f.output, axis=-1) / jnp.linalg.norm(f.output, axis=-1)
-            approx.append(jnp.mean(rel))
+    r_inv = jax.lax.stop_gradient(r_inv) if hold_fixed else r_inv
+    row = jnp.take(model.unembedding, targets, axis=0).astype(f32)
+    return model.norm_f[...].astype(f32) * row * r_inv
+
+
+@jit_model_fn(static_argnames=("method", "mode", "impl", "blocks", "aggregation", "with_alti", "hold_fixed"))
+def _layer_attribution(
+    block, h, mask, rows, direction, *, method, mode, impl, blocks, aggregation, with_alti, hold_fixed=False
+):
+    """One layer: {"scores" (b, r, l)} plus, for logit, "bias" (b, r) [and "alti" (b, l, l)], and for
+    the paper mode "error" (b,): mean over real positions of ||o_i - beta_i - sum_j T_i(x_j)|| / ||o_i||
+    (O(l): one scan, LayerFactors.token_total)."""
+    f = block_factors(block, h, mode, mask=mask, impl=impl, hold_fixed=hold_fixed)
+    aux = jnp.einsum("bld,ed->ble", direction, f.W_out) if method == "logit" else None
+    common = dict(mask=mask, blocks=blocks, impl=impl)
+    out = {"scores": layer_scores(f, method, rows, aux=aux, aggregation=aggregation, **common)}
+    valid = jnp.ones(h.shape[:2], bool) if mask is None else mask
     if method == "logit":
-        extra["direct"] = jnp.einsum("bld,bld->bl", out.residuals[0], direction)[:, rows]
-        extra["bias"] = jnp.stack(bias_terms, 1)
-        extra["logit"] = jnp.take_along_axis(out.logits, targets[..., None], -1)[..., 0][:, rows]
-        if whole:
-            extra["alti"] = jnp.stack(alti, 1)
-    if approx:
-        extra["approximation_error"] = jnp.stack(approx)
-    return jnp.stack(scores, 1), extra
-
-
-def _apply_mask(scores, extra, mask, rows, method):
-    keep = mask[:, None, rows, None] & mask[:, None, None, :]
-    scores = jnp.where(keep, scores, 0.0)
-    if method == "alti":
-        scores = jnp.where(keep, normalise_alti(scores, rows), 0.0)
-    if "alti" in extra:
-        full = mask[:, None, :, None] & mask[:, None, None, :]
-        a = jnp.where(full, extra["alti"], 0.0)
-        extra = {**extra, "alti": jnp.where(full, normalise_alti(a, jnp.arange(a.shape[-1])), 0.0)}
-    return scores, extra
+        out["bias"] = jnp.where(valid, jnp.einsum("bld,bld->bl", f.bias, direction), 0.0)[:, rows]
+        if with_alti:
+            out["alti"] = layer_scores(f, "alti", jnp.arange(f.length), **common)
+    if mode == "paper" and method != "hidden_attention":
+        rel = jnp.linalg.norm(f.token_total + f.bias - f.output, axis=-1) / jnp.linalg.norm(f.output, axis=-1)
+        out["error"] = jnp.sum(jnp.where(valid, rel, 0.0), -1) / jnp.sum(valid, -1)
+    return out

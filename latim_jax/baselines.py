@@ -13,16 +13,21 @@ from latim_jax.layers import f32
 from latim_jax.scores import safe_norm
 
 
-def logits_from_layer(model, h, layer: int, *, impl="auto"):
+def logits_from_layer(model, h, layer: int, *, mask=None, impl="auto"):
     """Run layers ``layer..`` and the head on the residual stream h (b, l, d) -> logits (b, l, v)."""
+    from latim_jax.model import block_forward
+
     for block in model.layers[layer:]:
-        h = block(h, impl=impl)
+        h = block_forward(block, h, mask, impl=impl)
     return model.head(h)
 
 
-def grad_input_scores(model, h, layer: int, rows, targets, *, impl="auto"):
-    """Gradient x input scores (b, len(rows), l) of ``layer`` for rows with vocabulary targets (b, l)."""
-    logits_fn = lambda x: logits_from_layer(model, x, layer, impl=impl)  # noqa: E731
+def grad_input_scores(model, h, layer: int, rows, targets, *, mask=None, impl="auto"):
+    """Gradient x input scores (b, len(rows), l) of ``layer`` for rows with vocabulary targets (b, l);
+    causal and padding pairs are zeroed by :func:`latim_jax.scores.finish_scores`."""
+    from latim_jax.scores import finish_scores
+
+    logits_fn = lambda x: logits_from_layer(model, x, layer, mask=mask, impl=impl)  # noqa: E731
     _, vjp = jax.vjp(logits_fn, h.astype(f32))
     b, length = h.shape[:2]
     vocab = model.config.vocab_size
@@ -34,4 +39,4 @@ def grad_input_scores(model, h, layer: int, rows, targets, *, impl="auto"):
         gx = g * h
         return safe_norm(gx, -1)  # (b, l)
 
-    return jnp.moveaxis(jax.lax.map(one_row, rows), 0, 1)
+    return finish_scores(jnp.moveaxis(jax.lax.map(one_row, rows), 0, 1), "grad_input", rows, mask)

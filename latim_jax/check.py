@@ -19,7 +19,18 @@ def reference_model(path, config, params):
     from latim_jax.convert import detect_format
 
     if detect_format(path) == "hf":
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        from transformers.utils import logging as hf_logging
+
+        from latim_jax.progress import bars_enabled
+
+        was_on = hf_logging.is_progress_bar_enabled()
+        if not bars_enabled():  # transformers' own "Loading weights" bar follows latim-jax's switch
+            hf_logging.disable_progress_bar()
+        try:
+            model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        finally:
+            if was_on:
+                hf_logging.enable_progress_bar()
         return model.eval(), "from_pretrained"
     hf_config = transformers_config(config)
     cls = transformers.MambaForCausalLM if config.version == 1 else transformers.Mamba2ForCausalLM
@@ -98,7 +109,8 @@ def torch_state_dict(config, params):
 
 def check_model(source, *, length: int = 16, batch: int = 1, seed: int = 0) -> dict:
     """Compare latim-jax and transformers on random tokens: max/mean logit error and per-layer
-    hidden-state error (relative to each tensor's max magnitude)."""
+    hidden-state error (relative to each tensor's max magnitude). :func:`verdict` turns the report
+    into PASS / FAIL against a tolerance (``latim-jax check --tolerance``, default 1e-4)."""
     import torch
 
     path = resolve(source)
@@ -127,3 +139,21 @@ def check_model(source, *, length: int = 16, batch: int = 1, seed: int = 0) -> d
         "length": length,
         "batch": batch,
     }
+
+
+def verdict(report: dict, tolerance: float) -> dict:
+    """PASS when the logits' relative error and every layer's hidden-state relative error are at most
+    ``tolerance`` (NaN or inf anywhere is a FAIL). Returns {"passed", "tolerance", "summary"}."""
+    errors = [report["max_logit_error_relative"], *report["hidden_error_relative"]]
+    worst = max(errors, key=lambda e: np.inf if not np.isfinite(e) else e)
+    passed = bool(all(np.isfinite(e) and e <= tolerance for e in errors))
+    if passed:
+        summary = f"PASS: largest relative error {worst:.3e} <= tolerance {tolerance:.1e}"
+    elif not np.isfinite(worst):
+        summary = (
+            f"FAIL: non-finite error ({worst}) - the outputs hold NaN or inf (tolerance {tolerance:.1e})"
+        )
+    else:
+        where = "logits" if worst == errors[0] else f"layer {errors.index(worst) - 1}"
+        summary = f"FAIL: relative error {worst:.3e} at {where} > tolerance {tolerance:.1e}"
+    return {"passed": passed, "tolerance": tolerance, "summary": summary}

@@ -1,4 +1,4 @@
-"""LaTIM: one Mamba layer's output written as a sum over source tokens (see latim-math.md, sections 1-3).
+"""LaTIM: one Mamba layer's output written as a sum over source tokens (docs/method.md, sections 2-4).
 
 For target i and source j (shape letters: see latim_jax.config; K conv width, w_k the conv taps in
 lag order, w_k = conv_w[K-1-k]):
@@ -71,27 +71,46 @@ def check_mode(mode: str) -> str:
     return mode
 
 
-def layer_factors(model, h, layer: int, mode: str = "exact", *, impl: str = "auto") -> LayerFactors:
-    """The factors of layer ``layer`` for the residual stream h (b, l, d) entering it."""
+def layer_factors(
+    model, h, layer: int, mode: str = "exact", *, mask=None, impl: str = "auto"
+) -> LayerFactors:
+    """The factors of layer ``layer`` for the residual stream h (b, l, d) entering it (``mask`` (b, l)
+    bool of valid positions, or None)."""
+    return block_factors(model.layers[layer], h, mode, mask=mask, impl=impl)
+
+
+def block_factors(
+    block, h, mode: str = "exact", *, mask=None, impl: str = "auto", hold_fixed: bool = False
+) -> LayerFactors:
+    """The factors of one residual block (a :class:`latim_jax.model.Block`) for its input stream h.
+
+    Padding (``mask`` False) is skipped by the mixer (zero conv input and Delta), and its sources get
+    zero tap values a, so a pad position contributes exactly nothing to any target. ``hold_fixed``:
+    the same values, but gradients do not flow through the quantities LaTIM holds fixed (Delta, B, C,
+    the activation gate s, the output gate G, the pre-norm scale): the layer is differentiated as the
+    linear map of the token values that the decomposition describes.
+    """
     check_mode(mode)
-    block = model.layers[layer]
-    mixer, cfg = block.mixer, model.config
-    inter = mixer.intermediates(block.normed(h), impl=impl)
+    mixer, cfg = block.mixer, block.config
+    xhat = block.normed(h, hold_fixed=hold_fixed)
+    inter = mixer.intermediates(xhat, mask=mask, impl=impl, hold_fixed=hold_fixed)
     e, K = cfg.d_inner, cfg.d_conv
+    valid = jnp.ones(h.shape[:2] + (1,), f32) if mask is None else mask[..., None].astype(f32)
     w_lag = mixer.conv_w[...].astype(f32)[::-1, :e]  # (K, e): w_k multiplies u_{t-k}
     c = inter.c[..., :e]
     b_in = mixer._get("in_proj_b")
     v_slice = slice(0, e) if cfg.version == 1 else slice(e, 2 * e)
-    b_in = None if b_in is None else b_in.astype(f32)[v_slice]
+    b_in = None if b_in is None else b_in.astype(f32)[v_slice] * valid  # the bias reaches real positions only
     b_conv = mixer._get("conv_b")
     b_conv = None if b_conv is None else b_conv.astype(f32)[:e]
-    u_full = inter.u[..., :e]
+    u_full = inter.u[..., :e]  # the conv input the forward used: rounded to the weight dtype, 0 at padding
     W_out = mixer.out_proj[...].astype(f32)
     b_out = mixer._get("out_proj_b")
     bias = jnp.zeros_like(h, dtype=f32) if b_out is None else jnp.broadcast_to(b_out.astype(f32), h.shape)
 
     if mode == "exact":
         s = activation_gate(cfg.activation, c)
+        s = jax.lax.stop_gradient(s) if hold_fixed else s
         u_tok = u_full if b_in is None else u_full - b_in
         s_pad = jnp.pad(s, ((0, 0), (0, K - 1), (0, 0)))
         a = jnp.stack([w_lag[k] * s_pad[:, k : k + s.shape[1]] * u_tok for k in range(K)])
@@ -100,10 +119,14 @@ def layer_factors(model, h, layer: int, mode: str = "exact", *, impl: str = "aut
             cbias = causal_conv(ones_in, mixer.conv_w[...][:, :e], b_conv)  # b_conv + taps of b_in
             y_bias = value_scan(mixer, inter, s * cbias, impl)
             bias = bias + linear(y_bias * inter.G, W_out)
+        bias = bias + out_proj_rounding(mixer, inter, W_out)
     else:
         f = activation(cfg.activation)
         a = jnp.stack(
-            [f(w_lag[k] * u_full + (b_conv if (k == 0 and b_conv is not None) else 0.0)) for k in range(K)]
+            [
+                f(w_lag[k] * u_full + (b_conv if (k == 0 and b_conv is not None) else 0.0)) * valid
+                for k in range(K)
+            ]
         )
     A = mixer.A
     return LayerFactors(
@@ -124,6 +147,17 @@ def layer_factors(model, h, layer: int, mode: str = "exact", *, impl: str = "aut
         output=mixer.output(inter),
         h=h.astype(f32),
     )
+
+
+def out_proj_rounding(mixer, inter, W_out):
+    """(round(q) - q) @ W_out for q = y * G: the forward feeds out_proj the value path rounded to the
+    weight dtype (bf16 models); that rounding belongs to no token, so exact mode puts it into beta and
+    the contributions still sum to the forward's own output. Zero for fp32 weights."""
+    dtype = mixer.out_proj[...].dtype
+    if dtype == f32:
+        return 0.0
+    q = inter.y * inter.G
+    return linear(q.astype(dtype).astype(f32) - q, W_out)
 
 
 def token_total(mixer, inter, a, W_out, impl):

@@ -6,8 +6,10 @@ attribution row over candidates j' <= i is ranked against the gold position: AUC
 pooled AUC, AP and recall@K (latim_jax.metrics states the definitions).
 
 Per method the table reports every layer, the best single layer, and an aggregate over layers:
-rollout for alti / hidden_attention (Ali et al.'s (A + I) normalisation) / logit (input attribution
-through the ALTI rollout); for l2, l1 and grad_input the sum over layers of row-normalised maps.
+rollout for alti / hidden_attention (Ali et al.'s (A + I) normalisation; the minmax and abs
+aggregations, which are non-negative) / logit (input attribution through the ALTI rollout); for l2,
+l1 and grad_input the sum over layers of row-normalised maps; for the signed hidden attention (which
+has negative entries, so no rollout) the plain sum over layers.
 """
 
 from __future__ import annotations
@@ -18,20 +20,23 @@ import math
 import numpy as np
 
 from latim_jax import metrics, tasks
+from latim_jax.progress import progress
 
-# (column name, method, mode): mode None for baselines that have no decomposition mode
+# (column name, method, mode, extra attribute() keywords): mode None for baselines without a mode
 METHODS = (
-    ("LaTIM l2 (exact)", "l2", "exact"),
-    ("LaTIM l2 (paper)", "l2", "paper"),
-    ("LaTIM alti (exact)", "alti", "exact"),
-    ("LaTIM alti (paper)", "alti", "paper"),
-    ("LaTIM logit (exact)", "logit", "exact"),
-    ("LaTIM logit (paper)", "logit", "paper"),
-    ("hidden attention", "hidden_attention", None),
-    ("grad x input", "grad_input", None),
+    ("LaTIM l2 (exact)", "l2", "exact", {}),
+    ("LaTIM l2 (paper)", "l2", "paper", {}),
+    ("LaTIM alti (exact)", "alti", "exact", {}),
+    ("LaTIM alti (paper)", "alti", "paper", {}),
+    ("LaTIM logit (exact)", "logit", "exact", {}),
+    ("LaTIM logit (paper)", "logit", "paper", {}),
+    ("hidden attention (minmax)", "hidden_attention", None, {"aggregation": "minmax"}),
+    ("hidden attention (abs)", "hidden_attention", None, {"aggregation": "abs"}),
+    ("hidden attention (signed)", "hidden_attention", None, {"aggregation": "signed"}),
+    ("grad x input", "grad_input", None, {}),
 )
 
-# latim-math.md section 7: AUC on the copying task
+# docs/method.md section 11: the paper's AUC on the copying task
 PAPER_AUC = {
     (2, "LaTIM l2"): 0.98,
     (1, "LaTIM alti"): 0.86,
@@ -49,6 +54,8 @@ def held_out(task: dict, n_sequences: int, seed: int):
 
 def aggregate(result) -> np.ndarray:
     """(B, L, L) aggregate over layers of an Attribution (see the module docstring)."""
+    if result.method == "hidden_attention" and result.aggregation == "signed":
+        return np.asarray(result.scores).sum(1)
     if result.method in ("alti", "hidden_attention", "logit"):
         return np.asarray(result.rollout())
     s = np.abs(np.asarray(result.scores))
@@ -83,8 +90,9 @@ def evaluate(
 
     Returns a JSON-safe dict: {"task", "model", "version", "activation", "n_sequences", "seed",
     "accuracy", "rows": {column: {...}}, "approximation_error", "definitions"}. "approximation_error" is
-    the paper mode's mean relative error E per layer over the held-out sequences (None when no
-    paper-mode method ran).
+    the paper mode's relative error E per layer, averaged over every real (non-padding) token of the
+    held-out sequences (None when no paper-mode method ran). Batches are padded on the right and
+    attributed with their padding mask, so each sequence's maps equal the sequence alone.
     """
     import latim_jax
 
@@ -92,29 +100,36 @@ def evaluate(
     if not task or task.get("name") not in tasks.TASK_FIELDS:
         raise ValueError(f"evaluate needs a copy or mqar task: the model has {task!r} (pass task=...)")
     task = tasks.task_fields(task)
+    if n_sequences < 1 or batch_size < 1:
+        raise ValueError(f"n_sequences and batch_size must be >= 1, found {n_sequences}, {batch_size}")
     if gold not in ("key", "value") or (gold == "value" and task["name"] != "mqar"):
         raise ValueError(f"gold must be 'key' (or 'value' for mqar), found {gold!r} for {task['name']}")
     batch = held_out(task, n_sequences, seed)
     gold_pos = tasks.value_sources(batch.gold) if gold == "value" else batch.gold
     n_layers = model.config.n_layers
-    maps = {name: {"layers": [[] for _ in range(n_layers)], "aggregate": []} for name, _, _ in methods}
-    approx = []  # per batch: (n_layers,) paper-mode E times the batch's number of sequences
-    for start in range(0, n_sequences, batch_size):
+    maps = {name: {"layers": [[] for _ in range(n_layers)], "aggregate": []} for name, *_ in methods}
+    approx = []  # per batch: (n_layers,) paper-mode E summed over the batch's real tokens
+    real = np.arange(batch.tokens.shape[1])[None, :] < batch.lengths[:, None]  # right padding
+    for start in progress(range(0, n_sequences, batch_size), desc=f"evaluate {task['name']}", unit="batch"):
         toks = batch.tokens[start : start + batch_size]
         targets = batch.targets[start : start + batch_size]
+        mask = real[start : start + batch_size]
         batch_approx = None
-        for name, method, mode in methods:
-            res = latim_jax.attribute(model, toks, method=method, mode=mode or "exact", target=targets)
+        for name, method, mode, options in methods:
+            res = latim_jax.attribute(
+                model, toks, method=method, mode=mode or "exact", target=targets, mask=mask, **options
+            )
             s = np.asarray(res.scores)
             for layer in range(n_layers):
                 maps[name]["layers"][layer].append(s[:, layer])
             maps[name]["aggregate"].append(aggregate(res))
             if "approximation_error" in res.extra:  # the same for every paper-mode method
-                batch_approx = np.asarray(res.extra["approximation_error"]) * len(toks)
+                per_prompt = np.asarray(res.extra["approximation_error"])  # (b, n_layers), real tokens
+                batch_approx = (per_prompt * mask.sum(1)[:, None]).sum(0)
         if batch_approx is not None:
             approx.append(batch_approx)
     rows = {}
-    for name, _, _ in methods:
+    for name, *_ in methods:
         per_layer = [_score(np.concatenate(m), gold_pos, ks) for m in maps[name]["layers"]]
         best = max(range(n_layers), key=lambda k: _nan_to(per_layer[k]["auc"], -1.0))
         rows[name] = {
@@ -135,7 +150,7 @@ def evaluate(
         "gold": gold if task["name"] == "mqar" else "copy source",
         "accuracy": task_accuracy(model, batch),
         "rows": rows,
-        "approximation_error": (np.sum(approx, 0) / n_sequences).tolist() if approx else None,
+        "approximation_error": (np.sum(approx, 0) / real.sum()).tolist() if approx else None,
         "definitions": __doc__.strip(),
     }
 
@@ -176,11 +191,12 @@ def format_table(report: dict) -> str:
         "",
         "AUC: per-row Mann-Whitney AUC of the gold source among candidates j <= i, averaged over rows; "
         "pooled AUC: over all rows' candidates together. Aggregate: rollout for alti/hidden attention/logit, "
-        "sum of row-normalised maps for l2/grad x input. Paper AUC: latim-math.md section 7 (copy only).",
+        "sum of row-normalised maps for l2/grad x input (docs/method.md section 10). "
+        "Paper AUC: docs/method.md section 11 (copy only).",
     ]
     if report.get("approximation_error"):
         errs = ", ".join(f"{e:.3f}" for e in report["approximation_error"])
-        lines.append(f"Paper-mode approximation error E per layer (docs: latim-math.md section 3): {errs}.")
+        lines.append(f"Paper-mode approximation error E per layer (docs/method.md section 4): {errs}.")
     return "\n".join(lines)
 
 
@@ -212,7 +228,7 @@ def compare_models(
         raise ValueError("compare_models needs at least one model")
     task = task or next(iter(models.values())).task  # one task for all: the same held-out sequences
     out = {}
-    for label, model in models.items():
+    for label, model in progress(models.items(), total=len(models), desc="models", unit="model"):
         report = evaluate(
             model, task, n_sequences=n_sequences, batch_size=batch_size, seed=seed, methods=methods
         )
@@ -250,7 +266,7 @@ def format_comparison_table(reports: dict) -> str:
         f"Task {first['task']['name']}, {first['n_sequences']} held-out sequences (seed {first['seed']}). "
         "AUC: per-row AUC of the gold source at the best single layer (layer in brackets). Exact "
         "conservation: max over layers of max_i ||sum_j T_i(x_j) + beta_i - o_i|| / max_i ||o_i||. Paper E: "
-        "mean_i ||o_i - b_out - sum_j T_i(x_j)|| / ||o_i|| (latim-math.md section 3).",
+        "mean_i ||o_i - b_out - sum_j T_i(x_j)|| / ||o_i|| (docs/method.md section 4).",
     ]
     return "\n".join(lines)
 
@@ -260,17 +276,25 @@ def _best(report, column):
     return f"{row['best']['auc']:.3f} ({row['best_layer']})"
 
 
-def add_evaluate_parser(sub) -> None:
+def add_evaluate_parser(sub, parents=()) -> None:
     """Register ``latim-jax evaluate TASK`` on the CLI's subparsers."""
-    p = sub.add_parser("evaluate", help="attribution quality on a task with known gold sources")
-    p.add_argument("task", choices=("copy", "mqar"))
-    p.add_argument(
-        "--model", default=None, help="default: the shipped model for TASK of --version (copy-mamba2, ...)"
+    from latim_jax.cli_args import nonnegative_int, positive_int
+
+    p = sub.add_parser(
+        "evaluate", parents=list(parents), help="attribution quality on a task with known gold sources"
     )
-    p.add_argument("--version", type=int, default=2, choices=(1, 2))
-    p.add_argument("--n", type=int, default=64, help="held-out sequences")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--seed", type=int, default=10_000)
+    p.add_argument("task", choices=("copy", "mqar"))
+    p.add_argument("--model", default=None, help="a model trained on TASK (default: the shipped one)")
+    p.add_argument(
+        "--version",
+        type=int,
+        default=None,
+        choices=(1, 2),
+        help="pick the shipped model TASK-mamba1 or TASK-mamba2 (default 2; not with --model)",
+    )
+    p.add_argument("--n", type=positive_int, default=64, help="held-out sequences (default 64)")
+    p.add_argument("--batch-size", type=positive_int, default=16, help="sequences per batch (default 16)")
+    p.add_argument("--seed", type=nonnegative_int, default=10_000, help="seed of the held-out sequences")
     p.add_argument(
         "--gold",
         default="key",
@@ -281,24 +305,30 @@ def add_evaluate_parser(sub) -> None:
         "--methods",
         nargs="+",
         default=None,
-        choices=sorted({m for _, m, _ in METHODS}),
+        choices=sorted({m[1] for m in METHODS}),
         help="only these methods (default: all, both modes)",
     )
     p.add_argument("--out", default=None, help="write the full report as JSON")
     p.add_argument("--markdown", default=None, help="write the table as markdown")
+    p.add_argument("--force", action="store_true", help="replace existing --out/--markdown files")
     p.set_defaults(func=_cmd_evaluate)
 
 
 def _cmd_evaluate(args) -> None:
-    import latim_jax
+    from latim_jax.cli import load_model
+    from latim_jax.cli_args import UsageError, check_outputs
     from latim_jax.results import write_bytes_atomic
 
-    model = latim_jax.load(args.model or f"{args.task}-mamba{args.version}")
+    if args.model is not None and args.version is not None:
+        raise UsageError("--version picks a shipped model; it cannot be combined with --model")
+    if args.gold == "value" and args.task != "mqar":
+        raise UsageError("--gold value applies to the mqar task only")
+    check_outputs({"--out": args.out, "--markdown": args.markdown}, args.force)
+    model = load_model(args.model or f"{args.task}-mamba{args.version or 2}")
     task = model.task
     if not task or task.get("name") != args.task:
-        raise SystemExit(
-            f"error: model {model.source!r} was not trained on the {args.task} task (task: {task})"
-        )
+        trained = f"the {task.get('name')!r} task" if task else "no task"
+        raise UsageError(f"model {model.source!r} was trained on {trained}, not {args.task!r}")
     try:
         methods = METHODS if args.methods is None else [m for m in METHODS if m[1] in args.methods]
         report = evaluate(
@@ -311,7 +341,7 @@ def _cmd_evaluate(args) -> None:
             methods=methods,
         )
     except ValueError as err:
-        raise SystemExit(f"error: {err}") from err
+        raise UsageError(str(err)) from err
     table = format_table(report)
     print(table)
     if args.out:

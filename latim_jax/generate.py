@@ -2,21 +2,28 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
+from latim_jax.inputs import check_mask
 from latim_jax.jit import jit_model_fn
 
 
 @jit_model_fn
-def prefill(model, tokens):
-    """Run the prompt (b, l) through the recurrent step: (logits of every position (b, l, v), cache)."""
+def prefill(model, tokens, mask=None):
+    """Run the prompt (b, l) through the recurrent step: (logits of every position (b, l, v), cache).
 
-    def body(cache, tok):
-        logits, cache = model.step(tok, cache)
+    ``mask`` (b, l) bool: padding steps (False) leave the caches as if they were absent."""
+    valid = jnp.ones(tokens.shape, bool) if mask is None else mask
+
+    def body(cache, inputs):
+        tok, ok = inputs
+        logits, cache = model.step(tok, cache, ok if mask is not None else None)
         return cache, logits
 
-    cache, logits = jax.lax.scan(body, model.init_cache(tokens.shape[0]), tokens.T)
+    cache, logits = jax.lax.scan(body, model.init_cache(tokens.shape[0]), (tokens.T, valid.T))
     return jnp.swapaxes(logits, 0, 1), cache
 
 
@@ -42,19 +49,35 @@ def _decode(model, last_logits, cache, key, *, steps, temperature, top_k):
 
 
 def generate(
-    model, tokens, max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None, seed: int = 0
+    model,
+    tokens,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    seed: int = 0,
+    mask=None,
 ):
     """Continue ``tokens`` (b, l) by ``max_new_tokens`` tokens: greedy when temperature == 0, else
-    sampling (optionally top-k). Returns (b, l + max_new_tokens) int32 ids."""
-    tokens = jnp.asarray(tokens)
-    model.check_tokens(tokens)
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, found {max_new_tokens}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, found {temperature}")
+    sampling (optionally top-k). Returns (b, l + max_new_tokens) int32 ids.
+
+    ``mask`` (b, l) bool of valid positions batches prompts of different lengths: they must be
+    padded on the LEFT (every row ends with a real token, where generation continues); each row's
+    continuation equals generating from that prompt alone.
+    """
+    tokens = model.check_tokens(tokens)
+    mask = check_mask(mask, *tokens.shape)
+    if mask is not None and not isinstance(mask, jax.core.Tracer) and not bool(mask[:, -1].all()):
+        raise ValueError("generate needs left padding: every mask row must end with a valid position")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0, found {max_new_tokens!r}")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0, found {temperature}")
+    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be a positive int or None, found {top_k!r}")
     if max_new_tokens == 0:
         return tokens.astype(jnp.int32)
-    logits, cache = prefill(model, tokens)
+    logits, cache = prefill(model, tokens, mask)
     new = _decode(
         model,
         logits[:, -1],

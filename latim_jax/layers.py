@@ -11,10 +11,14 @@ import jax.numpy as jnp
 f32 = jnp.float32
 
 
-def rms_norm(x, w, eps):
-    """RMSNorm over the last axis: x * rsqrt(mean(x^2) + eps) * w, in fp32."""
+def rms_norm(x, w, eps, *, hold_scale=False):
+    """RMSNorm over the last axis: x * rsqrt(mean(x^2) + eps) * w, in fp32 (``hold_scale``: the
+    rsqrt factor without gradient)."""
     x = x.astype(f32)
-    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w.astype(f32)
+    scale = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    if hold_scale:
+        scale = jax.lax.stop_gradient(scale)
+    return x * scale * w.astype(f32)
 
 
 def group_rms(q, n_groups, eps):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from pathlib import Path
@@ -27,20 +28,40 @@ def shipped_path(name: str) -> Path:
 
 
 def resolve(source: str | os.PathLike | None) -> Path:
-    """A local directory for ``source``: None (the default shipped model), a shipped name, a local
-    directory, or a Hugging Face hub id (downloaded with huggingface_hub; a clear error offline)."""
+    """An absolute local directory for ``source``: None (the default shipped model), a shipped name, a
+    local directory (relative paths are relative to the current directory), or a Hugging Face hub id
+    "owner/name" (downloaded with huggingface_hub; a clear error at once when offline).
+
+    A string that is neither an existing path nor a hub id (no "/"), or that is close to a shipped
+    name, fails at once with :class:`~latim_jax.convert.SourceUnavailableError` suggesting the shipped
+    names, without contacting the hub; so does "a/b" when a local directory "a" exists (a mistyped
+    local path, not a hub id).
+    """
+    from latim_jax.convert import SourceUnavailableError, resolve_source
+
     if source is None:
         return shipped_path(DEFAULT_MODEL)
     if isinstance(source, str) and source in SHIPPED:
         return shipped_path(source)
-    path = Path(source)
+    path = Path(source).expanduser()
     if path.exists():
         if not path.is_dir():
-            raise ValueError(f"{path}: expected a checkpoint directory, found a file")
-        return path
-    from latim_jax.convert import resolve_source
-
-    return Path(resolve_source(str(source)))
+            raise SourceUnavailableError(
+                "expected a checkpoint directory, found a file", file=source, expected="a directory"
+            )
+        return path.resolve()
+    text = os.fspath(source)
+    if "/" in text and Path(text.split("/")[0]).expanduser().is_dir():  # "runs/x" with a local runs/
+        raise SourceUnavailableError("no such checkpoint directory", file=source, expected="a directory")
+    close = difflib.get_close_matches(text, SHIPPED, n=2, cutoff=0.75)
+    if close or "/" not in text:
+        hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+        raise SourceUnavailableError(
+            f"no such checkpoint directory, and not a shipped model; {hint}shipped models: "
+            f"{', '.join(SHIPPED)}; a Hugging Face hub id looks like 'owner/name'",
+            file=source,
+        )
+    return Path(resolve_source(text)).resolve()
 
 
 def load(source: str | os.PathLike | None = None, dtype=None) -> MambaLM:
@@ -49,8 +70,9 @@ def load(source: str | os.PathLike | None = None, dtype=None) -> MambaLM:
     Args:
       source: None (the shipped Mamba-2 copy-task model), a shipped name ("copy-mamba1",
         "copy-mamba2": the copy task; "mqar-mamba1", "mqar-mamba2": multi-query associative
-        recall), a local directory in Hugging Face, mamba_ssm or Codestral format or written by
-        ``latim-jax convert``, or a hub id such as "state-spaces/mamba-130m-hf" (needs network access).
+        recall), a local directory (absolute or relative to the current directory) in Hugging Face,
+        mamba_ssm or Codestral format or written by ``latim-jax convert``, or a hub id such as
+        "state-spaces/mamba-130m-hf" (needs network access). See :func:`resolve`.
       dtype: parameter dtype ("float32", "bfloat16", or a jnp dtype); default: as stored.
 
     The model exposes ``config``, ``source``, ``task`` (shipped models: the task it was trained on)

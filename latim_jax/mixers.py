@@ -16,7 +16,15 @@ from flax import nnx
 
 from latim_jax.config import MambaConfig
 from latim_jax.kernels import dispatch
-from latim_jax.layers import activation, causal_conv, causal_conv_step, f32, group_rms, linear
+from latim_jax.layers import (
+    activation,
+    activation_gate,
+    causal_conv,
+    causal_conv_step,
+    f32,
+    group_rms,
+    linear,
+)
 
 _PARAM_NAMES = (
     "in_proj",
@@ -39,9 +47,10 @@ _PARAM_NAMES = (
 class Intermediates:
     """What one mixer computed for one input (fp32).
 
-    u: (b, l, c) conv input (Mamba-1: c = e; Mamba-2: c = e + 2gn, the xBC slice; only x is a value)
+    u: (b, l, c) conv input exactly as the forward convolved it (rounded to the weight dtype, zero at
+       padding; Mamba-1: c = e; Mamba-2: c = e + 2gn, the xBC slice; only x is a value)
     c: (b, l, c) conv pre-activation (bias included); v = act(c)
-    delta: (b, l, e) Mamba-1 / (b, l, h) Mamba-2
+    delta: (b, l, e) Mamba-1 / (b, l, h) Mamba-2 (zero at padding: the state skips pad positions)
     B, C: (b, l, n) Mamba-1 / (b, l, g, n) Mamba-2
     y: (b, l, e) scan output including the D skip term
     G: (b, l, e) output multiplier: SiLU(z) (Mamba-1), w_norm * SiLU(z) / rms_group(y * SiLU(z)) (Mamba-2)
@@ -78,13 +87,21 @@ class _Mixer(nnx.Module):
         """A = -exp(A_log) in fp32: (e, n) Mamba-1, (h,) Mamba-2."""
         return -jnp.exp(self.A_log[...].astype(f32))
 
-    def __call__(self, x, *, impl="auto"):
-        """Mixer output o (b, l, d) fp32 for the normalised input x (b, l, d)."""
-        return self.output(self.intermediates(x, impl=impl))
+    def __call__(self, x, *, mask=None, impl="auto"):
+        """Mixer output o (b, l, d) fp32 for the normalised input x (b, l, d); ``mask`` (b, l) bool of
+        valid positions (None: all valid)."""
+        return self.output(self.intermediates(x, mask=mask, impl=impl))
 
     def output(self, inter: Intermediates):
         """o = (y * G) @ W_out (+ b_out)."""
         return linear(inter.y * inter.G, self.out_proj[...], self._get("out_proj_b"))
+
+    def conv_input(self, u, mask):
+        """The conv input as the forward uses it: zero at padding (``mask`` (b, l) or None), rounded to
+        the weight dtype (the reference convolves in the weight dtype), returned in fp32."""
+        if mask is not None:
+            u = u * mask[..., None].astype(u.dtype)
+        return u.astype(self.in_proj[...].dtype).astype(f32)
 
 
 class Mamba1Mixer(_Mixer):
@@ -104,15 +121,19 @@ class Mamba1Mixer(_Mixer):
         delta = jax.nn.softplus(linear(dt_low, self.dt_proj[...]) + self.dt_bias[...].astype(f32))
         return delta, B, C
 
-    def intermediates(self, x, *, impl="auto") -> Intermediates:
-        """All per-layer quantities for the input x (b, l, d)."""
+    def intermediates(self, x, *, mask=None, impl="auto", hold_fixed=False) -> Intermediates:
+        """All per-layer quantities for the input x (b, l, d); padding (``mask`` False) is skipped.
+        ``hold_fixed``: the same values, but no gradient through Delta, B, C, the activation's gate
+        and the output gate (the quantities LaTIM holds fixed): the layer is then linear in u."""
         u, z = self.split_in_proj(x)
-        conv_in = u.astype(self.in_proj[...].dtype)  # the reference convolves in the weight dtype
-        c = causal_conv(conv_in, self.conv_w[...], self._get("conv_b"))
-        v = activation(self.config.activation)(c)
-        delta, B, C = self.ssm_params(v)
+        u = self.conv_input(u, mask)
+        c = causal_conv(u, self.conv_w[...], self._get("conv_b"))
+        v = _value_activation(self.config.activation, c, hold_fixed)
+        delta, B, C = _held(self.ssm_params(v), hold_fixed)
+        delta = _skip_padding(delta, mask)
         y, _ = dispatch.selective_scan(v, delta, self.A, B, C, self.D[...], impl=impl)
-        return Intermediates(u=u, c=c, delta=delta, B=B, C=C, y=y, G=jax.nn.silu(z))
+        (G,) = _held((jax.nn.silu(z),), hold_fixed)
+        return Intermediates(u=u, c=c, delta=delta, B=B, C=C, y=y, G=G)
 
     def init_cache(self, batch: int):
         """Zero recurrent cache: (conv (b, k-1, e), ssm (b, e, n))."""
@@ -122,15 +143,16 @@ class Mamba1Mixer(_Mixer):
             jnp.zeros((batch, c.d_inner, c.d_state), f32),
         )
 
-    def step(self, x_t, cache):
-        """One token x_t (b, d) -> (o_t (b, d), cache)."""
+    def step(self, x_t, cache, valid=None):
+        """One token x_t (b, d) -> (o_t (b, d), cache); ``valid`` (b,) bool: False leaves the cache as a
+        padding position would (zero conv input, no state update)."""
         conv_cache, state = cache
         u, z = self.split_in_proj(x_t)
-        c_t, conv_cache = causal_conv_step(
-            conv_cache, u.astype(self.in_proj[...].dtype), self.conv_w[...], self._get("conv_b")
-        )
+        u = self.conv_input(u, valid)
+        c_t, conv_cache = causal_conv_step(conv_cache, u, self.conv_w[...], self._get("conv_b"))
         v = activation(self.config.activation)(c_t)
         delta, B, C = self.ssm_params(v)
+        delta = _skip_padding(delta, valid)
         y, state = dispatch.selective_scan_step(state, v, delta, self.A, B, C, self.D[...])
         o = linear(y * jax.nn.silu(z), self.out_proj[...], self._get("out_proj_b"))
         return o, (conv_cache, state)
@@ -167,17 +189,21 @@ class Mamba2Mixer(_Mixer):
         g = jax.nn.silu(z)
         return self.norm_w[...].astype(f32) * g / group_rms(y * g, c.n_groups, c.rms_eps)
 
-    def intermediates(self, x, *, impl="auto") -> Intermediates:
-        """All per-layer quantities for the input x (b, l, d)."""
+    def intermediates(self, x, *, mask=None, impl="auto", hold_fixed=False) -> Intermediates:
+        """All per-layer quantities for the input x (b, l, d); padding (``mask`` False) is skipped.
+        ``hold_fixed``: no gradient through Delta, B, C, the activation's gate and G (see Mamba-1)."""
         c = self.config
         z, u, dt = self.split_in_proj(x)
-        conv = causal_conv(u.astype(self.in_proj[...].dtype), self.conv_w[...], self._get("conv_b"))
-        v = activation(c.activation)(conv)
+        u = self.conv_input(u, mask)
+        conv = causal_conv(u, self.conv_w[...], self._get("conv_b"))
+        v = _value_activation(c.activation, conv, hold_fixed)
         xs, B, C = self.split_xbc(v)
-        delta = self.delta(dt)
+        B, C, delta = _held((B, C, self.delta(dt)), hold_fixed)
+        delta = _skip_padding(delta, mask)
         y, _ = dispatch.ssd(xs, delta, self.A, B, C, self.D[...], c.chunk_size, impl=impl)
         y = y.reshape(*y.shape[:-2], c.d_inner)
-        return Intermediates(u=u, c=conv, delta=delta, B=B, C=C, y=y, G=self.gate(y, z))
+        (G,) = _held((self.gate(y, z),), hold_fixed)
+        return Intermediates(u=u, c=conv, delta=delta, B=B, C=C, y=y, G=G)
 
     def init_cache(self, batch: int):
         """Zero recurrent cache: (conv (b, k-1, e+2gn), ssm (b, h, p, n))."""
@@ -187,19 +213,40 @@ class Mamba2Mixer(_Mixer):
             jnp.zeros((batch, c.n_heads, c.head_dim, c.d_state), f32),
         )
 
-    def step(self, x_t, cache):
-        """One token x_t (b, d) -> (o_t (b, d), cache)."""
+    def step(self, x_t, cache, valid=None):
+        """One token x_t (b, d) -> (o_t (b, d), cache); ``valid`` (b,) bool: False leaves the cache as a
+        padding position would (zero conv input, no state update)."""
         c = self.config
         conv_cache, state = cache
         z, u, dt = self.split_in_proj(x_t)
-        c_t, conv_cache = causal_conv_step(
-            conv_cache, u.astype(self.in_proj[...].dtype), self.conv_w[...], self._get("conv_b")
-        )
+        u = self.conv_input(u, valid)
+        c_t, conv_cache = causal_conv_step(conv_cache, u, self.conv_w[...], self._get("conv_b"))
         xs, B, C = self.split_xbc(activation(c.activation)(c_t))
-        y, state = dispatch.ssd_step(state, xs, self.delta(dt), self.A, B, C, self.D[...])
+        delta = _skip_padding(self.delta(dt), valid)
+        y, state = dispatch.ssd_step(state, xs, delta, self.A, B, C, self.D[...])
         y = y.reshape(y.shape[0], c.d_inner)
         o = linear(y * self.gate(y, z), self.out_proj[...], self._get("out_proj_b"))
         return o, (conv_cache, state)
+
+
+def _value_activation(name, c, hold_fixed):
+    """act(c); held fixed, s(c) c with the gate s = act(c) / c frozen (the same value, linear in c)."""
+    if not hold_fixed:
+        return activation(name)(c)
+    return jax.lax.stop_gradient(activation_gate(name, c)) * c
+
+
+def _held(values, hold_fixed):
+    """``values`` with stop_gradient when ``hold_fixed``."""
+    return tuple(jax.lax.stop_gradient(v) for v in values) if hold_fixed else tuple(values)
+
+
+def _skip_padding(delta, mask):
+    """Delta = 0 at padding: exp(Delta A) = 1 and Delta B x = 0, so the state passes pad positions
+    unchanged and a pad source gets zero hidden attention."""
+    if mask is None:
+        return delta
+    return delta * mask[..., None].astype(delta.dtype)
 
 
 def make_mixer(config: MambaConfig, params: dict) -> _Mixer:

@@ -15,9 +15,24 @@ import numpy as np
 from flax import nnx
 
 from latim_jax.config import MambaConfig, param_shapes
+from latim_jax.inputs import check_embeds, check_mask, check_tokens
 from latim_jax.jit import jit_model_fn
 from latim_jax.layers import f32, rms_norm
 from latim_jax.mixers import make_mixer
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """What :meth:`MambaLM.prepare_inputs` returns: h (b', l, d) fp32 the stream entering layer 0,
+    mask (b', l) bool or None (None: every position valid), tokens (b', l) int32 or None (embeddings
+    were given), batch = b the caller's batch size (b' > b only on a mesh, whose "data" axis needs a
+    multiple: the extra prompts repeat the last one and are dropped from results), mesh or None."""
+
+    h: jax.Array
+    mask: jax.Array | None
+    tokens: jax.Array | None
+    batch: int
+    mesh: Any = None
 
 
 @jax.tree_util.register_dataclass
@@ -38,14 +53,15 @@ class Block(nnx.Module):
         self.norm = nnx.Param(jnp.asarray(params["norm"]))
         self.mixer = make_mixer(config, params["mixer"])
 
-    def normed(self, h):
-        """The mixer input xhat = RMSNorm(h), cast to the weight dtype as the reference does."""
+    def normed(self, h, *, hold_fixed=False):
+        """The mixer input xhat = RMSNorm(h), cast to the weight dtype as the reference does;
+        ``hold_fixed``: the norm's scale 1 / rms(h) gets no gradient (xhat linear in h)."""
         w = self.norm[...]
-        return rms_norm(h, w, self.config.rms_eps).astype(w.dtype)
+        return rms_norm(h, w, self.config.rms_eps, hold_scale=hold_fixed).astype(w.dtype)
 
-    def __call__(self, h, *, impl="auto"):
-        """h (b, l, d) fp32 -> h + o."""
-        return h.astype(f32) + self.mixer(self.normed(h), impl=impl)
+    def __call__(self, h, *, mask=None, impl="auto"):
+        """h (b, l, d) fp32 -> h + o; ``mask`` (b, l) bool of valid positions (None: all)."""
+        return h.astype(f32) + self.mixer(self.normed(h), mask=mask, impl=impl)
 
 
 class MambaLM(nnx.Module):
@@ -102,19 +118,37 @@ class MambaLM(nnx.Module):
         return (self.lm_head if self.lm_head is not None else self.embedding)[...]
 
     def check_tokens(self, tokens):
-        """Validate token ids (b, l): 2-D ints, l >= 1, and (when concrete) inside the vocabulary."""
-        if tokens.ndim != 2:
-            raise ValueError(f"tokens must have shape (batch, length), found shape {tuple(tokens.shape)}")
-        if tokens.shape[1] < 1:
-            raise ValueError("tokens must hold at least one position (found length 0)")
-        if not jnp.issubdtype(tokens.dtype, jnp.integer):
-            raise ValueError(f"tokens must be integer ids, found dtype {tokens.dtype}")
-        if not isinstance(tokens, jax.core.Tracer):
-            t = np.asarray(tokens)
-            if t.size and (t.min() < 0 or t.max() >= self.config.vocab_size):
-                raise ValueError(
-                    f"token ids must lie in [0, {self.config.vocab_size}), found min {t.min()} max {t.max()}"
-                )
+        """Validate token ids (b, l) before any cast (see :func:`latim_jax.inputs.check_tokens`) and
+        return them as an int32 array."""
+        return check_tokens(tokens, self.config.vocab_size)
+
+    def prepare_inputs(self, tokens=None, mask=None, inputs_embeds=None, *, mesh=None) -> Inputs:
+        """Validated inputs from token ids or embeddings (see :class:`Inputs`).
+
+        With a ``mesh`` (axes "data", "model"; see :mod:`latim_jax.sharding`) the model is laid out on
+        it (:func:`latim_jax.shard`, in place) unless it already is, the batch is padded to a multiple
+        of the "data" axis by repeating the last prompt, and the inputs are placed over "data".
+        """
+        if (tokens is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of tokens (b, l) and inputs_embeds (b, l, d)")
+        if inputs_embeds is not None:
+            x, ids = check_embeds(inputs_embeds, self.config.d_model), None
+        else:
+            x = ids = self.check_tokens(tokens)
+        batch, length = x.shape[:2]
+        mask = check_mask(mask, batch, length)
+        if mesh is None:
+            return Inputs(h=x if ids is None else self.embed(ids), mask=mask, tokens=ids, batch=batch)
+        from latim_jax import sharding
+
+        mesh = sharding.check_mesh(mesh)
+        if not sharding.on_mesh(self, mesh):
+            sharding.shard(self, mesh)
+        size = sharding.Runtime(mesh=mesh).axis_size(sharding.DATA)
+        spec = sharding.P(sharding.DATA if size > 1 else None)
+        x, mask = (sharding.put(sharding.pad_batch(a, size, edge=True), mesh, spec) for a in (x, mask))
+        h = x if ids is None else _embed(self, x)
+        return Inputs(h=h, mask=mask, tokens=None if ids is None else x, batch=batch, mesh=mesh)
 
     def embed(self, tokens):
         """h^0 (b, l, d) fp32."""
@@ -129,38 +163,70 @@ class MambaLM(nnx.Module):
         w = self.unembedding
         return jnp.matmul(self.final_hidden(h).astype(w.dtype), w.T, preferred_element_type=f32)
 
-    def forward(self, tokens, *, impl="auto") -> ModelOutput:
-        """Logits and every layer's residual stream (see :class:`ModelOutput`)."""
-        self.check_tokens(tokens)
-        return _forward(self, jnp.asarray(tokens), impl=impl)
+    def forward(self, tokens=None, *, mask=None, inputs_embeds=None, impl="auto", mesh=None) -> ModelOutput:
+        """Logits and every layer's residual stream (see :class:`ModelOutput`).
 
-    def __call__(self, tokens, *, impl="auto"):
-        """Logits (b, l, v) fp32 for int token ids (b, l)."""
-        return self.forward(tokens, impl=impl).logits
+        tokens: int ids (b, l), or ``inputs_embeds`` (b, l, d) instead (the HF convention; h^0 is then
+        the given embeddings). mask: optional (b, l) bool of valid positions, one contiguous run per
+        row (left and/or right padding): padding is skipped, so real positions' logits equal each
+        prompt alone; pad positions' logits are not meaningful. Every layer runs through one jitted
+        block function, so compile time does not grow with depth. mesh: a device mesh (see
+        :mod:`latim_jax.sharding`): prompts split over "data", the layers model-parallel over "model".
+        """
+        x = self.prepare_inputs(tokens, mask, inputs_embeds, mesh=mesh)
+        runtime = impl if mesh is None else _runtime(impl, x.mesh)
+        h, residuals = x.h, [x.h]
+        for block in self.layers:
+            h = block_forward(block, h, x.mask, impl=runtime)
+            residuals.append(h)
+        out = ModelOutput(logits=_head(self, h), residuals=jnp.stack(residuals))
+        if mesh is None:
+            return out
+        from latim_jax.sharding import gather
+
+        out = gather(out)
+        return ModelOutput(logits=out.logits[: x.batch], residuals=out.residuals[:, : x.batch])
+
+    def __call__(self, tokens=None, *, mask=None, inputs_embeds=None, impl="auto", mesh=None):
+        """Logits (b, l, v) fp32 for int token ids (b, l) (or ``inputs_embeds``; see :meth:`forward`)."""
+        return self.forward(tokens, mask=mask, inputs_embeds=inputs_embeds, impl=impl, mesh=mesh).logits
 
     def init_cache(self, batch: int):
         """Zero recurrent caches, one (conv, ssm) pair per layer."""
         return [b.mixer.init_cache(batch) for b in self.layers]
 
-    def step(self, token, cache):
-        """One decoding step: token ids (b,) -> (logits (b, v), new cache)."""
+    def step(self, token, cache, valid=None):
+        """One decoding step: token ids (b,) -> (logits (b, v), new cache); ``valid`` (b,) bool: False
+        marks a padding step, which leaves every cache as the padding would (see mixers)."""
         h = self.embed(token[:, None])[:, 0]
         new_cache = []
         for block, c in zip(self.layers, cache, strict=True):
-            o, c = block.mixer.step(block.normed(h), c)
+            o, c = block.mixer.step(block.normed(h), c, valid)
             h = h + o
             new_cache.append(c)
         return self.head(h[:, None])[:, 0], new_cache
 
 
 @jit_model_fn(static_argnames=("impl",))
-def _forward(model: MambaLM, tokens, impl):
-    h = model.embed(tokens)
-    residuals = [h]
-    for block in model.layers:
-        h = block(h, impl=impl)
-        residuals.append(h)
-    return ModelOutput(logits=model.head(h), residuals=jnp.stack(residuals))
+def block_forward(block: Block, h, mask, impl="auto"):
+    """One residual block, jitted once for every layer of a model (they share one graph structure)."""
+    return block(h, mask=mask, impl=impl)
+
+
+@jit_model_fn
+def _head(model: MambaLM, h):
+    return model.head(h)
+
+
+@jit_model_fn
+def _embed(model: MambaLM, tokens):
+    return model.embed(tokens)
+
+
+def _runtime(impl, mesh):
+    from latim_jax.sharding import Runtime
+
+    return Runtime(impl=getattr(impl, "impl", impl), mesh=mesh)
 
 
 def check_params(config: MambaConfig, params: dict) -> None:

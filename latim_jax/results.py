@@ -21,29 +21,40 @@ ROLLOUT_METHODS = ("alti", "hidden_attention", "logit")
 class Attribution:
     """Scores of one attribution call.
 
-    scores: (B, n_layers, R, L) float32 (R = L, or the requested rows); tokens (B, L);
+    scores: (B, n_layers, R, L) float32 (R = L, or the requested rows), exactly 0 above the diagonal
+    and on padding; tokens (B, L) (None when the call passed embeddings); mask (B, L) bool of valid
+    positions, or None when every position is real; aggregation: the hidden-attention aggregation
+    (None for other methods);
     extra: method-specific arrays - "targets" (B, L) vocabulary entries for logit/grad_input;
     for "logit": "direct" (B, R) embedding term, "bias" (B, n_layers, R) bias terms, "logit" (B, R) the
-    model's logit, "alti" (B, n_layers, L, L) for the rollout; for mode "paper":
-    "approximation_error" (n_layers,) = mean_i ||o_i - b_out - sum_j T_i(x_j)|| / ||o_i||.
+    model's logit (all 0 on pad rows), "alti" (B, n_layers, L, L) for the rollout; for mode "paper":
+    "approximation_error" (B, n_layers) = per prompt, the mean over its real positions i of
+    ||o_i - beta_i - sum_j T_i(x_j)|| / ||o_i|| (beta_i = the out_proj bias).
+    top_k: when set, ``scores`` are (B, n_layers, R, top_k), the strongest sources of each target row in
+    decreasing order, and ``extra["sources"]`` (same shape, int32) their positions (-1 where a row has
+    fewer sources than top_k, with score 0).
     """
 
     scores: jax.Array
-    tokens: jax.Array
+    tokens: jax.Array | None
     extra: dict
     method: str = dataclasses.field(metadata=dict(static=True))
     mode: str = dataclasses.field(metadata=dict(static=True))
     layers: tuple = dataclasses.field(metadata=dict(static=True))
     rows: tuple | None = dataclasses.field(metadata=dict(static=True))
     model: str = dataclasses.field(metadata=dict(static=True))
+    mask: jax.Array | None = None
+    aggregation: str | None = dataclasses.field(default=None, metadata=dict(static=True))
+    top_k: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     def check_finite(self) -> None:
-        """Raise FloatingPointError naming the layers whose scores hold NaN/inf (concrete inputs only)."""
+        """Raise FloatingPointError naming the layers whose scores hold NaN/inf (concrete inputs only;
+        one boolean per layer crosses to the host, not the scores)."""
         if isinstance(self.scores, jax.core.Tracer):
             return
-        bad = ~np.isfinite(np.asarray(self.scores))
-        if bad.any():
-            layers = [self.layers[i] for i in np.unique(np.nonzero(bad)[1])]
+        finite = np.asarray(jnp.isfinite(self.scores).all(axis=(0, 2, 3)))
+        if not finite.all():
+            layers = [self.layers[i] for i in np.flatnonzero(~finite)]
             raise FloatingPointError(f"non-finite {self.method} scores at layer(s) {layers}")
 
     def rollout(self, per_layer: bool = False):
@@ -56,6 +67,13 @@ class Attribution:
         """
         if self.method not in ROLLOUT_METHODS:
             raise ValueError(f"rollout is defined for {ROLLOUT_METHODS}, not {self.method!r}")
+        if self.top_k is not None:
+            raise ValueError("rollout needs whole score matrices, not top_k sources (call without top_k)")
+        if self.method == "hidden_attention" and self.aggregation == "signed":
+            raise ValueError(
+                "rollout needs non-negative maps: the 'signed' hidden-attention aggregation has negative "
+                "entries; use aggregation='minmax' (default) or 'abs'"
+            )
         if self.rows is not None or self.layers != tuple(range(len(self.layers))):
             raise ValueError(
                 "rollout needs every layer and every row (call attribute with layers=None, rows=None)"
@@ -64,7 +82,7 @@ class Attribution:
         eye = jnp.eye(L, dtype=jnp.float32)
         if self.method == "logit":
             mats = self.extra["alti"]
-            R = jnp.broadcast_to(eye, mats[:, 0].shape)
+            R = jnp.broadcast_to(self._valid_eye(eye)[:, 0], mats[:, 0].shape)
             total = self.extra["direct"][..., None] * eye
             steps = []
             for layer in range(mats.shape[1]):
@@ -74,8 +92,9 @@ class Attribution:
         else:
             mats = self.scores
             if self.method == "hidden_attention":
-                mats = mats + eye
-                mats = mats / mats.sum(-1, keepdims=True)
+                mats = mats + self._valid_eye(eye)
+                total = mats.sum(-1, keepdims=True)
+                mats = mats / jnp.where(total > 0, total, 1.0)
             R = mats[:, 0]
             steps = [R]
             for layer in range(1, mats.shape[1]):
@@ -83,11 +102,17 @@ class Attribution:
                 steps.append(R)
         return jnp.stack(steps, 1) if per_layer else steps[-1]
 
-    def save(self, path) -> None:
-        """Write one self-describing .npz (arrays + JSON metadata) atomically."""
+    def _valid_eye(self, eye):
+        """I restricted to real positions (B or 1, 1, L, L): padding stays exactly 0 in rollouts."""
+        if self.mask is None:
+            return eye[None, None]
+        return (eye * self.mask[:, None, :].astype(eye.dtype))[:, None]
+
+    def meta(self) -> dict:
+        """The JSON-safe metadata written beside the arrays."""
         from latim_jax import __version__
 
-        meta = {
+        return {
             "format": FORMAT,
             "method": self.method,
             "mode": self.mode,
@@ -96,16 +121,36 @@ class Attribution:
             "model": self.model,
             "library_version": __version__,
             "extra_keys": sorted(self.extra),
+            "aggregation": self.aggregation,
+            "top_k": self.top_k,
+            "has_tokens": self.tokens is not None,
+            "has_mask": self.mask is not None,
         }
-        arrays = {"scores": np.asarray(self.scores), "tokens": np.asarray(self.tokens)}
-        arrays.update({f"extra__{k}": np.asarray(v) for k, v in self.extra.items()})
-        arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+
+    def arrays(self) -> dict:
+        """Tokens, mask and extras as named host arrays (everything but the scores)."""
+        out = {}
+        if self.tokens is not None:
+            out["tokens"] = np.asarray(self.tokens)
+        if self.mask is not None:
+            out["mask"] = np.asarray(self.mask)
+        out.update({f"extra__{k}": np.asarray(v) for k, v in self.extra.items()})
+        return out
+
+    def save(self, path) -> None:
+        """Write one self-describing .npz (arrays + JSON metadata) atomically."""
+        arrays = {"scores": np.asarray(self.scores), **self.arrays()}
+        arrays["meta"] = np.frombuffer(json.dumps(self.meta()).encode(), dtype=np.uint8)
         write_npz_atomic(path, arrays)
 
     @classmethod
     def load(cls, path) -> Attribution:
-        """Read a file written by :meth:`save`."""
+        """Read a file written by :meth:`save` (or a directory written by ``attribute(stream_to=...)``)."""
         path = os.fspath(path)
+        if os.path.isdir(path):
+            from latim_jax.stream import load_streamed
+
+            return load_streamed(path)
         try:
             with np.load(path, allow_pickle=False) as z:
                 meta = json.loads(bytes(z["meta"]).decode())
@@ -114,7 +159,10 @@ class Attribution:
                 extra = {k: jnp.asarray(z[f"extra__{k}"]) for k in meta["extra_keys"]}
                 return cls(
                     scores=jnp.asarray(z["scores"]),
-                    tokens=jnp.asarray(z["tokens"]),
+                    tokens=jnp.asarray(z["tokens"]) if meta.get("has_tokens", True) else None,
+                    mask=jnp.asarray(z["mask"]) if meta.get("has_mask", False) else None,
+                    aggregation=meta.get("aggregation"),
+                    top_k=meta.get("top_k"),
                     extra=extra,
                     method=meta["method"],
                     mode=meta["mode"],
@@ -134,15 +182,35 @@ def write_npz_atomic(path, arrays: dict) -> None:
 
 
 def write_bytes_atomic(path, data: bytes) -> None:
-    """Write ``data`` to a temporary file beside ``path``, then rename it into place."""
+    """Write ``data`` to a temporary file beside ``path``, then rename it into place.
+
+    The file gets the permissions a plain ``open(path, "w")`` would give (0o666 minus the umask),
+    not mkstemp's private 0o600.
+    """
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
+            os.fchmod(fh.fileno(), 0o666 & ~current_umask())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def current_umask() -> int:
+    """The process umask, read without changing it where the OS allows (Linux: /proc/self/status);
+    elsewhere set and restored at once."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

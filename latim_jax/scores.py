@@ -1,14 +1,22 @@
 """Per-layer token-to-token scores, evaluated in blocks so the (l, l, d) tensor never exists.
 
 Row i = target position, column j = source. With T_{ij} = T_i(x_j) (latim_jax.decomposition), the
-residual h_i entering the layer and hout_i = h_i + o_i (latim-math.md, section 4):
+residual h_i entering the layer and hout_i = h_i + o_i (docs/method.md, section 5):
 
     l2     c_ij = ||T_ij||_2                 l1  c_ij = ||T_ij||_1
     alti   c_ij = max(0, ||hout_i||_1 - ||hout_i - T'_ij||_1), T'_ij = T_ij + [i=j] h_i, rows sum to 1
            (a row with no positive entry, possible when the bias terms dominate, puts 1 on j = i, so
            every row is a distribution and rollouts stay row-stochastic)
     logit  c_ij = E_w . (g_f * T_ij) / r_i   (w = the target vocabulary entry of row i)
-    hidden_attention  c_ij = mean over channels (Mamba-1) / heads (Mamba-2) of M_{i,j} without D
+    hidden_attention  c_ij = an aggregation over channels (Mamba-1) / heads (Mamba-2) of M_{i,j}
+           without D (:data:`AGGREGATIONS`): "minmax" (default; Ali et al.'s released code) =
+           (mean_c M_ij[c] - m) / (M - m) with m, M the min and max of the layer's whole per-channel
+           tensor over the prompt's causal entries between real tokens (all rows, whatever rows are
+           asked, so a row subset equals the full map's rows); "abs" = mean_c |M_ij[c]|; "signed" =
+           mean_c M_ij[c] (may be negative: no rollout)
+
+Every score is exactly 0 above the diagonal (j > i) and on the rows and columns of padding
+(:func:`finish_scores` masks explicitly, before and after alti's normalisation).
 
 Blocks: target rows in blocks of ``block_rows``; for each, a scan over source blocks of
 ``block_cols`` columns that skips (writes zeros for) blocks entirely above the diagonal. Peak memory
@@ -21,23 +29,34 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from latim_jax.decomposition import LayerFactors, pair_values
 from latim_jax.hidden_attention import hidden_attention_block
 from latim_jax.kernels import fused_scores
 from latim_jax.kernels.dispatch import use_pallas
+from latim_jax.kernels.fused_scores_tiles import alti_gain
 from latim_jax.layers import f32
+from latim_jax.sharding import DATA, MODEL, Runtime, as_runtime
 
 LATIM_METHODS = ("l2", "l1", "alti", "logit")
 METHODS = LATIM_METHODS + ("hidden_attention", "grad_input")
+AGGREGATIONS = ("minmax", "abs", "signed")
+DEFAULT_AGGREGATION = "minmax"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Blocks:
-    """Block sizes of the blocked score path (rows x source columns per step)."""
+    """Block sizes of the blocked score path (rows x source columns per step), positive ints."""
 
     rows: int = 32
     cols: int = 32
+
+    def __post_init__(self):
+        for name in ("rows", "cols"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Blocks.{name} must be a positive int, found {value!r}")
 
     @classmethod
     def for_layer(cls, version: int, length: int) -> Blocks:
@@ -56,11 +75,6 @@ def safe_norm(x, axis):
 
 def pair_score(f: LayerFactors, method: str, rows, j0, width, aux=None):
     """Scores of pairs (i in rows, j in [j0, j0 + width)): (b, r, width), unnormalised."""
-    if method == "hidden_attention":
-        M = hidden_attention_block(
-            f.version, f.A, f.D, f.delta, f.B, f.C, f.decay, rows, j0 + jnp.arange(width), with_D=False
-        )
-        return jnp.mean(M, axis=-1)
     V = pair_values(f, rows, j0, width)  # (b, r, width, e)
     if method == "logit":
         return jnp.einsum("brje,bre->brj", V, aux[:, rows])
@@ -73,23 +87,24 @@ def pair_score(f: LayerFactors, method: str, rows, j0, width, aux=None):
         hout = (f.h + f.output)[:, rows]  # (b, r, d); the bias terms are part of o
         diag = (rows[:, None] == (j0 + jnp.arange(width))[None, :]).astype(f32)  # (r, width)
         Tp = T + diag[None, :, :, None] * f.h[:, rows][:, :, None]
-        full = jnp.sum(jnp.abs(hout), -1)[:, :, None]
-        return jnp.maximum(0.0, full - jnp.sum(jnp.abs(hout[:, :, None] - Tp), -1))
-    raise ValueError(
-        f"unknown LaTIM score {method!r}; expected one of {LATIM_METHODS + ('hidden_attention',)}"
-    )
+        return jnp.maximum(0.0, jnp.sum(alti_gain(hout[:, :, None], Tp), -1))
+    raise ValueError(f"unknown LaTIM score {method!r}; expected one of {LATIM_METHODS}")
 
 
 def blocked(fn, rows, length, blocks: Blocks, out_tail=()):
     """Evaluate fn(rows_block, j0) -> (b, block_rows, block_cols, *out_tail) over all causal blocks.
 
-    Returns (b, len(rows), length, *out_tail); blocks above the diagonal are not computed.
+    Returns (b, len(rows), length, *out_tail); blocks above the diagonal are not computed. Each block
+    is rematerialised under differentiation (jax.checkpoint): the backward pass recomputes a block's
+    intermediates instead of saving every block's, so a gradient holds O(output + one block), like
+    the forward.
     """
     n_cb = -(-length // blocks.cols)
 
     def row_block(rb):
         rmax = jnp.max(rb)
 
+        @jax.checkpoint  # around the cond: a checkpoint inside a cond's branch is not honoured
         def col_block(j0):
             def compute(_):
                 return fn(rb, j0)
@@ -115,19 +130,88 @@ def map_row_blocks(row_fn, rows, blocks: Blocks):
     return res.reshape(res.shape[0], n_rb * blocks.rows, *res.shape[3:])[:, :r]
 
 
-def layer_scores(f: LayerFactors, method: str, rows, *, blocks: Blocks | None = None, aux=None, impl="xla"):
-    """Scores (b, len(rows), l) of one layer; alti rows are normalised to sum 1.
+def layer_scores(
+    f: LayerFactors,
+    method: str,
+    rows,
+    *,
+    mask=None,
+    blocks: Blocks | None = None,
+    aux=None,
+    impl="xla",
+    aggregation: str = DEFAULT_AGGREGATION,
+):
+    """Scores (b, len(rows), l) of one layer, finished by :func:`finish_scores` (causal, padding
+    masked, alti rows normalised to sum 1).
 
     ``impl``: "xla" = the blocked pure-JAX path; "pallas" = the fused kernel (kernels/fused_scores.py,
     interpret mode on CPU) for l2/l1/alti/logit; "auto" = the kernel on TPU/GPU, XLA elsewhere.
+    ``mask`` (b, l) bool of valid positions or None; ``aggregation``: hidden attention only.
     """
-    if use_pallas(impl) and method in fused_scores.METHODS:
+    blocks = blocks or Blocks.for_layer(f.version, f.length)
+    runtime = as_runtime(impl)
+    if runtime.axis_size(DATA) > 1 or runtime.axis_size(MODEL) > 1:
+        return _split_layer_scores(f, method, rows, mask, blocks, aux, runtime, aggregation)
+    if method == "hidden_attention":
+        s = hidden_attention_scores(f, rows, mask=mask, blocks=blocks, aggregation=aggregation)
+    elif use_pallas(impl) and method in fused_scores.METHODS:
         s = fused_scores.fused_layer_scores(f, method, rows, aux=aux)
     else:
-        blocks = blocks or Blocks.for_layer(f.version, f.length)
         s = blocked(lambda rb, j0: pair_score(f, method, rb, j0, blocks.cols, aux), rows, f.length, blocks)
+    return finish_scores(s, method, rows, mask)
+
+
+def _split_layer_scores(f, method, rows, mask, blocks, aux, runtime, aggregation):
+    """:func:`layer_scores` inside ``jax.shard_map``: prompts over "data", target rows over "model"
+    (rows padded to a multiple of the axis by repeating the last one). Each device holds the whole
+    layer's factors for its prompts: rows are independent given them."""
+    b, r = f.G.shape[0], rows.shape[0]
+    m = runtime.axis_size(MODEL)
+    data = runtime.axis(DATA) if b % runtime.axis_size(DATA) == 0 else None
+    model = runtime.axis(MODEL)
+    rp = -(-r // m) * m
+    rows_p = jnp.concatenate([rows, jnp.full((rp - r,), rows[-1], rows.dtype)])
+    local = Runtime(impl=runtime.impl)
+    batch = P(data)
+    specs = dataclasses.replace(
+        f, a=P(None, data), G=batch, W_out=P(), A=P(), D=P(), delta=batch, B=batch, C=batch,
+        decay=type(f.decay)(batch, batch), bias=batch, output=batch, h=batch, token_total=batch,
+    )  # fmt: skip
+    args, in_specs = [f, rows_p], [specs, P(model)]
+    for extra in (aux, mask):
+        if extra is not None:
+            args.append(extra)
+            in_specs.append(batch)
+
+    def scores(f, rows, *extra):
+        extra = list(extra)
+        aux_ = extra.pop(0) if aux is not None else None
+        mask_ = extra.pop(0) if mask is not None else None
+        return layer_scores(
+            f, method, rows, mask=mask_, blocks=blocks, aux=aux_, impl=local, aggregation=aggregation
+        )
+
+    out = jax.shard_map(
+        scores, mesh=runtime.mesh, in_specs=tuple(in_specs), out_specs=P(data, model), check_vma=False
+    )(*args)
+    return out[:, :r]
+
+
+def kept_pairs(rows, length: int, mask=None):
+    """(b or 1, r, l) bool: source j <= target i, both real positions."""
+    keep = (jnp.arange(length)[None, :] <= rows[:, None])[None]
+    if mask is not None:
+        keep = keep & mask[:, rows, None] & mask[:, None, :]
+    return keep
+
+
+def finish_scores(s, method: str, rows, mask=None):
+    """Zero every pair above the diagonal or touching padding, explicitly (float noise of two reductions
+    is not zero); alti rows are then normalised over their kept entries and masked again."""
+    keep = kept_pairs(rows, s.shape[-1], mask)
+    s = jnp.where(keep, s, 0.0)
     if method == "alti":
-        s = normalise_alti(s, rows)
+        s = jnp.where(keep, normalise_alti(s, rows), 0.0)
     return s
 
 
@@ -139,12 +223,70 @@ def normalise_alti(s, rows):
     return jnp.where(zero, self_hot, s / jnp.where(zero, 1.0, total))
 
 
+def _hidden_attention(f: LayerFactors, rows, j0, width):
+    """M_{i,t} without D for i in rows, t in [j0, j0 + width): (b, r, width, c)."""
+    cols = j0 + jnp.arange(width)
+    return hidden_attention_block(f.version, f.A, f.D, f.delta, f.B, f.C, f.decay, rows, cols, with_D=False)
+
+
+def hidden_attention_scores(f: LayerFactors, rows, *, mask=None, blocks: Blocks, aggregation: str):
+    """The hidden-attention baseline (b, len(rows), l) with one of :data:`AGGREGATIONS` (module
+    docstring). minmax needs the per-prompt range of M over the whole causal triangle: one extra
+    blocked pass that keeps only a running min and max (no (l, l) intermediate)."""
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, found {aggregation!r}")
+
+    def pair(rb, j0):
+        M = _hidden_attention(f, rb, j0, blocks.cols)  # (b, r, q, c)
+        return jnp.mean(jnp.abs(M) if aggregation == "abs" else M, axis=-1)
+
+    s = blocked(pair, rows, f.length, blocks)
+    if aggregation != "minmax":
+        return s
+    lo, hi = hidden_attention_range(f, mask=mask, blocks=blocks)  # (b,) each
+    span = (hi - lo)[:, None, None]
+    return jnp.where(span > 0, (s - lo[:, None, None]) / jnp.where(span > 0, span, 1.0), 1.0)
+
+
+def hidden_attention_range(f: LayerFactors, *, mask=None, blocks: Blocks):
+    """(min, max) (b,) of M without D over every channel and every causal pair of real positions."""
+    length, b = f.length, f.delta.shape[0]
+    n_rb, n_cb = -(-length // blocks.rows), -(-length // blocks.cols)
+    valid = jnp.ones((b, length), bool) if mask is None else mask
+    valid = jnp.pad(valid, ((0, 0), (0, n_rb * blocks.rows + n_cb * blocks.cols)))
+
+    def row_block(carry, i0):
+        rb = i0 + jnp.arange(blocks.rows)
+
+        @jax.checkpoint
+        def col_block(carry, j0):
+            def update(carry):
+                M = _hidden_attention(f, jnp.minimum(rb, length - 1), j0, blocks.cols)  # (b, r, q, c)
+                cols = j0 + jnp.arange(blocks.cols)
+                keep = (cols[None, :] <= rb[:, None]) & (rb[:, None] < length) & (cols[None, :] < length)
+                keep = keep[None] & jax.lax.dynamic_slice_in_dim(valid, i0, blocks.rows, 1)[:, :, None]
+                keep = keep & jax.lax.dynamic_slice_in_dim(valid, j0, blocks.cols, 1)[:, None, :]
+                lo = jnp.min(jnp.where(keep[..., None], M, jnp.inf), axis=(1, 2, 3))
+                hi = jnp.max(jnp.where(keep[..., None], M, -jnp.inf), axis=(1, 2, 3))
+                return jnp.minimum(carry[0], lo), jnp.maximum(carry[1], hi)
+
+            return jax.lax.cond(j0 <= i0 + blocks.rows - 1, update, lambda c: c, carry), None
+
+        carry, _ = jax.lax.scan(col_block, carry, jnp.arange(n_cb) * blocks.cols)
+        return carry, None
+
+    init = (jnp.full((b,), jnp.inf, f32), jnp.full((b,), -jnp.inf, f32))
+    (lo, hi), _ = jax.lax.scan(row_block, init, jnp.arange(n_rb) * blocks.rows)
+    return lo, hi
+
+
 def token_sum(f: LayerFactors, rows, *, blocks: Blocks | None = None):
     """sum_j T_i(x_j) for i in rows, accumulated block by block: (b, r, d)."""
     blocks = blocks or Blocks.for_layer(f.version, f.length)
     n_cb = -(-f.length // blocks.cols)
 
     def row_block(rb):
+        @jax.checkpoint
         def add(acc, j0):
             part = jax.lax.cond(
                 j0 <= jnp.max(rb),

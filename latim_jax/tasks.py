@@ -215,6 +215,23 @@ def _finish(tokens: np.ndarray, gold: np.ndarray, *, lengths) -> Batch:
     )
 
 
+def vocabulary(task: dict) -> list[str]:
+    """The task's words, one per token id (``vocabulary(task)[id]``), for labels and tokenizers.
+
+    copy: ``"<sep>"`` for sep_id and ``"t<id>"`` for every content id (so ``t5`` is id 5). mqar:
+    ``"<pad>"`` for id 0, ``"k1" .. "k<n_keys>"`` for the keys (ids 1 .. n_keys), ``"v1" .. "v<M>"``
+    for the M = vocab_size - 1 - n_keys values (ids n_keys + 1 ..). Every word is distinct and holds
+    no whitespace, so a space-separated string of words is a prompt (``latim-jax attribute --text``).
+    """
+    task = task_fields(task)
+    if task["name"] == "copy":
+        return ["<sep>" if i == task["sep_id"] else f"t{i}" for i in range(task["vocab_size"])]
+    n_keys = task["n_keys"]
+    keys = [f"k{i}" for i in range(1, n_keys + 1)]
+    values = [f"v{i}" for i in range(1, task["vocab_size"] - n_keys)]
+    return ["<pad>", *keys, *values]
+
+
 def task_summary(task: dict) -> dict[str, Any]:
     """The task dict plus its padded sequence length (what task.json records)."""
     return {**task, "sequence_length": sequence_length(task)}

@@ -1,6 +1,6 @@
 """Training small Mamba LMs from scratch on the synthetic tasks of :mod:`latim_jax.tasks`.
 
-The copy models are what the paper's copying evaluation attributes (docs/latim-math.md, section 7):
+The copy models are what the paper's copying evaluation attributes (docs/method.md, section 10):
 train with :func:`train_from_config` (or ``scripts/train_copy.py CONFIG OUT``), read back with
 :func:`load_trained`.
 
@@ -37,6 +37,7 @@ from flax import nnx
 from latim_jax.config import MambaConfig
 from latim_jax.init import init_params
 from latim_jax.model import MambaLM
+from latim_jax.progress import progress, write
 from latim_jax.tasks import Batch, check_task, make_batch, task_summary
 
 INITS = ("default", "mimetic")
@@ -122,7 +123,7 @@ class TrainResult:
 
 
 def mimetic_init(params: dict, config: MambaConfig, *, a_log_scale: float = MIMETIC_A_LOG_SCALE) -> dict:
-    """Mimetic initialisation (section 7 of docs/latim-math.md) applied to a parameter tree; returns a
+    """Mimetic initialisation (docs/method.md, section 10) applied to a parameter tree; returns a
     new tree (numpy), the input is not modified.
 
     Per layer: A_log <- a_log_scale * A_log (slow decays); the dt projection weight 0 and dt bias
@@ -270,16 +271,18 @@ def train(
     """Train a model of ``tc.model`` on ``tc.task`` for ``steps`` (default ``tc.steps``) steps.
 
     Deterministic given ``tc.seed``: the same config gives the same loss sequence. Evaluates on a
-    held-out batch every ``tc.eval_every`` steps and after the last step.
+    held-out batch every ``tc.eval_every`` steps and after the last step, passing a line to ``log``.
+    A progress bar runs on stderr when it is a terminal (:mod:`latim_jax.progress`).
     """
     steps = tc.steps if steps is None else steps
+    log_line = write if log is print else log  # print without breaking the progress bar
     start, cpu_start = time.perf_counter(), time.process_time()
     model = MambaLM(tc.model, initial_params(tc.model, tc.init, tc.seed))
     optimizer = nnx.Optimizer(model, make_optimizer(tc, steps), wrt=nnx.Param)
     data_rng = np.random.default_rng([tc.seed, 1])
     eval_batch = make_batch(tc.task, tc.eval_size, np.random.default_rng([tc.seed, 2]))
     losses, evals = [], []
-    for step in range(1, steps + 1):
+    for step in progress(range(1, steps + 1), total=steps, desc="train", unit="step"):
         b = make_batch(tc.task, tc.batch_size, data_rng)
         loss = _train_step(
             model, optimizer, jnp.asarray(b.tokens), jnp.asarray(b.targets), jnp.asarray(b.loss_mask)
@@ -297,7 +300,7 @@ def train(
             }
             evals.append(ev)
             if log is not None:
-                log(
+                log_line(
                     f"step {step:5d}  train loss {ev['train_loss']:.4f}  eval loss {ev['loss']:.4f}  "
                     f"token acc {ev['token_accuracy']:.4f}  seq acc {ev['sequence_accuracy']:.4f}  "
                     f"{ev['wall_time_s']:.0f}s (cpu {ev['cpu_time_s']:.0f}s)"
@@ -309,8 +312,10 @@ def train(
 def save_trained(out_dir: str | os.PathLike, result: TrainResult, tc: TrainConfig) -> Path:
     """Write ``out_dir`` atomically: a latim-jax checkpoint (``latim_jax.convert.save_checkpoint``:
     params/ + latim_config.json) plus task.json (the task dict + final accuracy + training settings
-    and history), built in a temporary sibling directory and renamed into place. Returns the path."""
+    and history) and tokenizer.json (the task's words, :func:`latim_jax.vocab.write_task_tokenizer`),
+    built in a temporary sibling directory and renamed into place. Returns the path."""
     from latim_jax.convert import save_checkpoint
+    from latim_jax.vocab import write_task_tokenizer
 
     out = Path(out_dir).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -320,6 +325,7 @@ def save_trained(out_dir: str | os.PathLike, result: TrainResult, tc: TrainConfi
     try:
         save_checkpoint(tmp, tc.model, jax.tree.map(np.asarray, result.model.params()))
         (tmp / "task.json").write_text(json.dumps(_task_record(result, tc), indent=2) + "\n")
+        write_task_tokenizer(tmp, tc.task, tc.model.vocab_size)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -570,16 +570,44 @@ def test_orbax_saves_jax_arrays(tmp_path):
 def test_orbax_refuses_to_overwrite_unless_asked(tmp_path):
     write_np_hf(tmp_path / "src", 1)
     config, params = read_checkpoint(tmp_path / "src")
-    dest = tmp_path / "ck"
-    dest.mkdir()
+    dest = save_checkpoint(tmp_path / "ck", config, params)
     (dest / "keep.txt").write_text("old")
     with pytest.raises(FileExistsError, match="overwrite=True"):
         save_checkpoint(dest, config, params)
-    assert os.listdir(dest) == ["keep.txt"]
-    save_checkpoint(dest, config, params, overwrite=True)
+    assert "keep.txt" in os.listdir(dest)
+    save_checkpoint(dest, config, params, overwrite=True)  # replaces a latim-jax checkpoint
     assert "keep.txt" not in os.listdir(dest)
     assert_trees_identical(load_checkpoint(dest)[1], params)
     assert sorted(os.listdir(tmp_path)) == ["ck", "src"]
+
+
+def test_overwrite_never_deletes_a_directory_it_did_not_write(tmp_path):
+    write_np_hf(tmp_path / "src", 1)
+    config, params = read_checkpoint(tmp_path / "src")
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "thesis.tex").write_text("precious")
+    with pytest.raises(FileExistsError, match="not a latim-jax checkpoint"):
+        save_checkpoint(other, config, params, overwrite=True)
+    assert os.listdir(other) == ["thesis.tex"]
+    assert sorted(os.listdir(tmp_path)) == ["notes", "src"]
+
+
+@pytest.mark.parametrize("where", ["same", "inside", "contains"])
+def test_destination_overlapping_the_source_is_refused(tmp_path, monkeypatch, where):
+    from latim_jax.cli import main
+
+    write_np_hf(tmp_path / "a" / "src", 1)
+    before = {p: p.read_bytes() for p in (tmp_path / "a").rglob("*") if p.is_file()}
+    monkeypatch.chdir(tmp_path / "a")
+    dest = {"same": "src", "inside": "src/sub", "contains": "."}[where]
+    assert main(["convert", "src", dest, "--overwrite"]) == 2
+    monkeypatch.chdir(tmp_path)
+    config, params = read_checkpoint(tmp_path / "a" / "src")
+    with pytest.raises(ValueError, match="source"):
+        save_checkpoint(tmp_path / "a" / dest, config, params, overwrite=True, source=tmp_path / "a" / "src")
+    after = {p: p.read_bytes() for p in (tmp_path / "a").rglob("*") if p.is_file()}
+    assert after == before  # config.json and model.safetensors intact, nothing added
 
 
 @pytest.mark.parametrize("existing", [False, True])
@@ -589,7 +617,7 @@ def test_orbax_failure_midway_leaves_nothing(tmp_path, monkeypatch, existing):
     (tmp_path / "src" / "tokenizer.json").write_text("{}")
     dest = tmp_path / "out" / "ck"
     if existing:
-        dest.mkdir(parents=True)
+        save_checkpoint(dest, config, params)
         (dest / "keep.txt").write_text("old")
 
     def fail_after_params(files, directory):
@@ -599,10 +627,46 @@ def test_orbax_failure_midway_leaves_nothing(tmp_path, monkeypatch, existing):
     monkeypatch.setattr(orbax_io, "_copy_tokenizer", fail_after_params)
     with pytest.raises(RuntimeError, match="disk full"):
         save_checkpoint(dest, config, params, tokenizer_dir=tmp_path / "src", overwrite=True)
-    if existing:
-        assert os.listdir(tmp_path / "out") == ["ck"] and os.listdir(dest) == ["keep.txt"]
+    if existing:  # the old checkpoint is untouched
+        assert os.listdir(tmp_path / "out") == ["ck"]
+        assert sorted(os.listdir(dest)) == ["keep.txt", "latim_config.json", "params"]
+        assert_trees_identical(load_checkpoint(dest)[1], params)
     else:
         assert not dest.exists() and os.listdir(tmp_path / "out") == []
+
+
+def test_relative_paths_work_everywhere(tmp_path, monkeypatch):
+    import latim_jax
+    from latim_jax.cli import main
+
+    write_np_hf(tmp_path / "ck", 2)
+    monkeypatch.chdir(tmp_path)
+    assert main(["convert", "ck", "conv"]) == 0
+    model = latim_jax.load("conv")
+    for name in ("./conv", "conv/", "../" + tmp_path.name + "/conv"):
+        assert latim_jax.load(name).config == model.config
+    config, params = read_checkpoint("conv")
+    assert_trees_identical(params, read_checkpoint(tmp_path / "ck")[1])
+    assert load_checkpoint("./conv")[0] == config
+    assert main(["attribute", "--model", "conv", "--tokens", "1 2 3", "--out", "s.npz"]) == 0
+    assert main(["attribute", "--model", "./conv", "--tokens", "1 2", "--out", "t.npz"]) == 0
+    assert latim_jax.Attribution.load("s.npz").scores.shape == (1, 2, 3, 3)
+
+
+def test_written_files_respect_the_umask(tmp_path):
+    from latim_jax.results import write_bytes_atomic
+
+    old = os.umask(0o027)
+    try:
+        write_bytes_atomic(tmp_path / "a.bin", b"x")
+        write_np_hf(tmp_path / "src", 1)
+        dest = save_checkpoint(tmp_path / "ck", *read_checkpoint(tmp_path / "src"))
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a.bin").stat().st_mode & 0o777 == 0o640
+    modes = {p.stat().st_mode & 0o777 for p in dest.rglob("*") if p.is_file()}
+    assert modes == {0o640}, sorted(oct(m) for m in modes)
+    assert dest.stat().st_mode & 0o777 == 0o750
 
 
 def test_save_checks_params_against_config(tmp_path):
@@ -635,6 +699,33 @@ def test_offline_hub_id_fails_fast_with_a_clear_message(tmp_path, monkeypatch):
     assert time.monotonic() - start < 10
     text = str(err.value)
     assert "latim-jax-tests/no-such-model" in text and "could not fetch" in text and "local" in text
+
+
+def test_unreachable_hub_fails_at_once_without_retries(tmp_path, monkeypatch):
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(hub, "_offline", lambda: False)
+    calls = []
+
+    class ConnectError(Exception):  # what httpx raises without a network (matched by name)
+        pass
+
+    def model_info(repo_id, **kw):
+        calls.append("model_info")
+        raise ConnectError("[Errno -2] Name or service not known")
+
+    def retrying(*a, **kw):  # list_repo_files retries a failed connection for ~25 s
+        calls.append("list_repo_files")
+        raise ConnectError("retried")
+
+    monkeypatch.setattr(huggingface_hub, "model_info", model_info)
+    monkeypatch.setattr(huggingface_hub, "list_repo_files", retrying)
+    start = time.monotonic()
+    with pytest.raises(SourceUnavailableError) as err:
+        hub.resolve_source("latim-jax-tests/no-such-model", cache_dir=tmp_path / "cache")
+    assert time.monotonic() - start < 5 and calls == ["model_info"]
+    text = str(err.value)
+    assert "cannot be reached" in text and "not in the local Hugging Face cache" in text and "local" in text
 
 
 def test_hub_patterns_fetch_one_weight_layout():

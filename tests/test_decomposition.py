@@ -1,4 +1,6 @@
-"""LaTIM decomposition and scores against an independent PyTorch implementation and as properties."""
+"""LaTIM decomposition and scores against an independent float64 PyTorch implementation (tests/torch_latim.py,
+fed by forward hooks on transformers): two prompts, a length past the Mamba-2 chunk, both modes, every
+score, every hidden-attention aggregation and every rollout."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch_latim  # noqa: E402
 pytestmark = pytest.mark.torch
 
 # against the float64 torch reference, relative to the tensor's max magnitude
-TOL = {"T": 2e-5, "score": 2e-5, "conservation": 1e-5}
+TOL = {"T": 2e-5, "score": 2e-5, "conservation": 1e-5, "rollout": 5e-5}
 
 VARIANTS = {
     "m1": dict(version=1, d_state=4, d_conv=4, use_bias=True, tied=False),
@@ -23,7 +25,7 @@ VARIANTS = {
     "m1relu": dict(version=1, d_state=4, d_conv=4, act="relu"),
     "m2relu": dict(version=2, d_state=4, d_conv=3, head_dim=4, n_groups=1, act="relu"),
 }
-L = 7
+B, L = 2, 11  # L > the Mamba-2 chunk (8): the SSD crosses a chunk boundary
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
@@ -31,7 +33,7 @@ def case(request, hf_dir):
     name = request.param
     path, ref = hf_dir("dec_" + name, **VARIANTS[name])
     model = latim_jax.load(path)
-    tokens = np.random.default_rng(0).integers(0, model.config.vocab_size, (1, L))
+    tokens = np.random.default_rng(0).integers(0, model.config.vocab_size, (B, L))
     seen, h_final, logits = torch_latim.capture(ref, torch.from_numpy(tokens))
     return name, ref, model, tokens, seen, h_final, logits
 
@@ -40,15 +42,16 @@ def test_contributions_match_torch_reference(case):
     name, ref, model, tokens, seen, _, _ = case
     for layer, rec in enumerate(seen):
         for mode in ("exact", "paper"):
-            T, bias, out = torch_latim.decompose_layer(
-                ref.backbone.layers[layer].mixer, rec["xhat"][0], mode=mode
-            )
             got = latim_jax.contributions(model, tokens, layer, mode=mode)
-            assert rel_err(got.T[0], T.numpy()) < TOL["T"], (name, layer, mode)
-            assert rel_err(got.bias[0], bias.numpy()) < TOL["T"], (name, layer, mode)
-            assert rel_err(got.output[0], out.numpy()) < TOL["T"], (name, layer, mode)
+            for b in range(B):
+                T, bias, out = torch_latim.decompose_layer(
+                    ref.backbone.layers[layer].mixer, rec["xhat"][b], mode=mode
+                )
+                assert rel_err(got.T[b], T.numpy()) < TOL["T"], (name, layer, mode, b)
+                assert rel_err(got.bias[b], bias.numpy()) < TOL["T"], (name, layer, mode, b)
+                assert rel_err(got.output[b], out.numpy()) < TOL["T"], (name, layer, mode, b)
             # transformers' own mixer output, read through the hook
-            assert rel_err(got.output[0], rec["o"][0].numpy()) < TOL["conservation"]
+            assert rel_err(got.output, rec["o"].numpy()) < TOL["conservation"]
 
 
 def test_exact_mode_conserves_transformers_mixer_output(case):
@@ -64,20 +67,62 @@ def test_exact_mode_conserves_transformers_mixer_output(case):
         assert latim_jax.conservation_error(model, tokens, layer, mode="paper") > 1e-3
 
 
-@pytest.mark.parametrize("method", ["l2", "alti", "logit", "hidden_attention"])
-def test_scores_match_torch_reference(case, method):
-    name, ref, model, tokens, seen, h_final, logits = case
-    result = latim_jax.attribute(model, tokens, method=method)
-    assert result.scores.shape == (1, model.config.n_layers, L, L)
-    target = logits[0].argmax(-1)
-    r = torch.rsqrt(h_final[0].double().pow(2).mean(-1, keepdim=True) + ref.config.layer_norm_epsilon)
+def _direction(ref, h_final, logits, b):
+    target = logits[b].argmax(-1)
+    r = torch.rsqrt(h_final[b].double().pow(2).mean(-1, keepdim=True) + ref.config.layer_norm_epsilon)
     head = ref.lm_head.weight.detach().double()
-    direction = ref.backbone.norm_f.weight.detach().double() * head[target] * r
-    for layer, rec in enumerate(seen):
-        mixer = ref.backbone.layers[layer].mixer
-        if method == "hidden_attention":
-            want = torch_latim.hidden_attention(mixer, rec["xhat"][0])
-        else:
-            T, _, o = torch_latim.decompose_layer(mixer, rec["xhat"][0])
-            want = torch_latim.scores(T, rec["h"][0].double(), o, method, direction)
-        assert rel_err(result.scores[0, layer], want.numpy()) < TOL["score"], (name, method, layer)
+    return ref.backbone.norm_f.weight.detach().double() * head[target] * r
+
+
+def _reference_maps(case, method, mode, aggregation):
+    """Per prompt, per layer: the torch reference's (L, L) map; plus the logit direct terms."""
+    _, ref, _, _, seen, h_final, logits = case
+    maps, direct = [], []
+    for b in range(B):
+        direction = _direction(ref, h_final, logits, b)
+        per_layer = []
+        for layer, rec in enumerate(seen):
+            mixer = ref.backbone.layers[layer].mixer
+            if method == "hidden_attention":
+                per_layer.append(torch_latim.hidden_attention(mixer, rec["xhat"][b], aggregation=aggregation))
+            else:
+                T, _, o = torch_latim.decompose_layer(mixer, rec["xhat"][b], mode=mode)
+                per_layer.append(torch_latim.scores(T, rec["h"][b].double(), o, method, direction))
+        maps.append(per_layer)
+        direct.append((seen[0]["h"][b].double() * direction).sum(-1))
+    return maps, direct
+
+
+CASES = [
+    ("l2", "exact", None),
+    ("l1", "paper", None),
+    ("alti", "exact", None),
+    ("alti", "paper", None),
+    ("logit", "exact", None),
+    ("logit", "paper", None),
+    ("hidden_attention", "exact", "minmax"),
+    ("hidden_attention", "exact", "abs"),
+    ("hidden_attention", "exact", "signed"),
+]
+
+
+@pytest.mark.parametrize("method, mode, aggregation", CASES, ids=[f"{m}-{o}-{a}" for m, o, a in CASES])
+def test_scores_and_rollouts_match_torch_reference(case, method, mode, aggregation):
+    name, _, model, tokens, seen, _, _ = case
+    options = {"aggregation": aggregation} if aggregation else {}
+    result = latim_jax.attribute(model, tokens, method=method, mode=mode, **options)
+    assert result.scores.shape == (B, model.config.n_layers, L, L)
+    maps, direct = _reference_maps(case, method, mode, aggregation)
+    for b in range(B):
+        for layer in range(len(seen)):
+            got = result.scores[b, layer]
+            assert rel_err(got, maps[b][layer].numpy()) < TOL["score"], (name, method, mode, b, layer)
+    if method in ("l2", "l1") or aggregation == "signed":
+        return
+    alti = None
+    if method == "logit":
+        alti = _reference_maps(case, "alti", mode, None)[0]
+    R = np.asarray(result.rollout())
+    for b in range(B):
+        want = torch_latim.rollout(maps[b], method, direct=direct[b], alti=None if alti is None else alti[b])
+        assert rel_err(R[b], want.numpy()) < TOL["rollout"], (name, method, mode, b)

@@ -35,15 +35,25 @@ def tiny(version=2, activation="silu", seed=0, task=COPY):
 @pytest.mark.parametrize("task", [COPY, MQAR], ids=["copy", "mqar"])
 def test_report_structure_and_random_baseline(task):
     model = tiny(task=task)
-    methods = [("LaTIM l2 (exact)", "l2", "exact"), ("LaTIM l2 (paper)", "l2", "paper")]
+    methods = [("LaTIM l2 (exact)", "l2", "exact", {}), ("LaTIM l2 (paper)", "l2", "paper", {})]
     report = ev.evaluate(model, n_sequences=12, batch_size=5, methods=methods)
     assert set(report["rows"]) == {"LaTIM l2 (exact)", "LaTIM l2 (paper)", "random"}
-    for name, _, _ in methods:
+    batch = ev.held_out(report["task"], 12, 10_000)
+    real = np.arange(batch.tokens.shape[1])[None, :] < batch.lengths[:, None]
+    for name, method, mode, _ in methods:
         row = report["rows"][name]
         assert len(row["layers"]) == 2 and row["best"] == row["layers"][row["best_layer"]]
-        assert 0.0 <= row["aggregate"]["auc"] <= 1.0
+        # evaluate's batches of 5 equal one batch of 12 scored directly (padding masked, each prompt's
+        # rows equal the prompt alone: tests/test_padding.py)
+        maps = np.asarray(latim_jax.attribute(model, batch.tokens, method, mode, mask=real).scores)
+        for layer in range(2):
+            want = metrics.summarize(*metrics.gold_rows(maps[:, layer], batch.gold))
+            assert abs(row["layers"][layer]["auc"] - want["auc"]) < 1e-6, (name, layer)
+            assert abs(row["layers"][layer]["ap"] - want["ap"]) < 1e-6, (name, layer)
     assert 0.3 < report["rows"]["random"]["aggregate"]["auc"] < 0.7
-    assert 0.0 <= report["accuracy"] <= 1.0 and report["activation"] == "silu"
+    pred = np.asarray(model(batch.tokens)).argmax(-1)  # accuracy on the scored rows only
+    assert report["accuracy"] == pytest.approx(float((pred == batch.targets)[batch.loss_mask].mean()))
+    assert report["activation"] == "silu"
     json.dumps(report)  # JSON-safe
     table = ev.format_table(report)
     assert f"Task {task['name']}" in table and "approximation error E per layer" in table
@@ -66,22 +76,29 @@ def test_mqar_value_gold_is_the_key_position_plus_one():
         ev.evaluate(tiny(), n_sequences=2, gold="value")  # copy has one gold
 
 
-def test_batched_approximation_error_is_the_mean_over_sequences():
+def test_batched_approximation_error_is_the_mean_over_real_tokens():
     model = tiny()
-    report = ev.evaluate(model, n_sequences=10, batch_size=4, methods=[("p", "alti", "paper")])
-    toks = ev.held_out(COPY, 10, 10_000).tokens
-    per_seq = [
-        np.asarray(latim_jax.attribute(model, toks[k : k + 1], "alti", "paper").extra["approximation_error"])
-        for k in range(10)
-    ]
-    np.testing.assert_allclose(report["approximation_error"], np.mean(per_seq, 0), rtol=1e-5)
+    report = ev.evaluate(model, n_sequences=10, batch_size=4, methods=[("p", "alti", "paper", {})])
+    batch = ev.held_out(COPY, 10, 10_000)
+    real = np.arange(batch.tokens.shape[1])[None, :] < batch.lengths[:, None]
+    assert not real.all()  # some sequences are padded
+    per_prompt = np.asarray(
+        latim_jax.attribute(model, batch.tokens, "alti", "paper", mask=real).extra["approximation_error"]
+    )
+    pooled = (per_prompt * real.sum(1)[:, None]).sum(0) / real.sum()  # every real token weighs the same
+    np.testing.assert_allclose(report["approximation_error"], pooled, rtol=1e-5)
+    # and the padded positions would have changed it
+    unmasked = np.asarray(
+        latim_jax.attribute(model, batch.tokens, "alti", "paper").extra["approximation_error"]
+    )
+    assert np.abs(unmasked.mean(0) - pooled).max() > 1e-3
     assert min(report["approximation_error"]) > 1e-3  # SiLU: the paper mode is approximate
 
 
 @pytest.mark.parametrize("version", [1, 2])
 def test_compare_models_identity_makes_paper_mode_exact(version):
     models = {"silu": tiny(version, "silu"), "identity": tiny(version, "identity", seed=1)}
-    l2 = [("LaTIM l2 (exact)", "l2", "exact"), ("LaTIM l2 (paper)", "l2", "paper")]
+    l2 = [("LaTIM l2 (exact)", "l2", "exact", {}), ("LaTIM l2 (paper)", "l2", "paper", {})]
     reports = ev.compare_models(models, n_sequences=6, batch_size=6, conservation_sequences=3, methods=l2)
     assert reports["silu"]["conservation"] < 1e-5 and reports["identity"]["conservation"] < 1e-5
     assert max(reports["identity"]["approximation_error"]) < 1e-5
@@ -104,9 +121,10 @@ def test_cli_evaluate_mqar_model(tmp_path, capsys):
     assert "Task mqar (4 held-out sequences" in md.read_text()
     report = json.loads(js.read_text())
     assert report["task"]["name"] == "mqar"
-    assert set(report["rows"]) == {"LaTIM l2 (exact)", "LaTIM l2 (paper)", "hidden attention", "random"}
-    assert main(argv + ["--gold", "value"]) == 0
+    ha = {f"hidden attention ({a})" for a in ("minmax", "abs", "signed")}
+    assert set(report["rows"]) == {"LaTIM l2 (exact)", "LaTIM l2 (paper)", "random"} | ha
+    assert main(argv + ["--gold", "value", "--force"]) == 0  # replaces the files
     report = json.loads(js.read_text())
     assert report["gold"] == "value" and "the value position" in md.read_text()
-    with pytest.raises(SystemExit, match="not trained on the copy task"):
-        main(["evaluate", "copy", "--model", str(ckpt), "--n", "4"])
+    assert main(["evaluate", "copy", "--model", str(ckpt), "--n", "4"]) == 2
+    assert "trained on the 'mqar' task, not 'copy'" in capsys.readouterr().err

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import directional_fd
 
 from latim_jax.kernels import lowering
 from latim_jax.kernels.block_sizes import BlockSizes
@@ -23,11 +24,14 @@ from latim_jax.kernels.ssd import ssd_pallas, ssd_reference
 # Tolerances: max |kernel - reference| / max |reference|, per output. Both paths upcast the inputs to
 # fp32 and compute in fp32 (measured: <= 4e-7 for fp32 and bf16 inputs alike); the bf16 bound is looser
 # only as headroom, since bf16 inputs change the data, not the arithmetic. Gradients: the backward pass
-# *is* the reference VJP (it reuses the saved inputs), so kernel and reference grads agree to rounding.
+# *is* the reference VJP (it reuses the saved inputs), so kernel and reference grads agree to rounding;
+# what can fail is the backward against the kernel's own forward, checked by central finite differences
+# of the kernel (fp32, eps 1e-3: a directional derivative within 1e-2 relative).
 TOL = {
     ("forward", jnp.float32): 1e-5,
     ("forward", jnp.bfloat16): 5e-5,
     ("grad", jnp.float32): 1e-6,
+    "fd": 1e-2,
 }
 
 VARIANTS = ("tpu", "gpu")  # kernel variants, both run in interpret mode here
@@ -214,6 +218,8 @@ def _grad_check(kernel, reference, args, h0, with_init):
     argnums = tuple(range(len(args)))
     grads = jax.jit(jax.grad(_loss(kernel_fn, weights), argnums))(*args)
     _assert_grads_close(grads, jax.jit(jax.grad(_loss(reference_fn, weights), argnums))(*args))
+    analytic, numeric = directional_fd(jax.jit(_loss(kernel_fn, weights)), args, eps=1e-3)
+    assert abs(analytic - numeric) <= TOL["fd"] * abs(numeric), (analytic, numeric)
 
 
 @pytest.mark.parametrize(("variant", "with_init"), GRAD_CASES)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import rel_err
+from conftest import directional_fd, rel_err
 
 import latim_jax
 import latim_jax.init
@@ -31,8 +31,9 @@ from latim_jax.kernels.fused_scores import (
 
 # max |kernel - reference| / max |reference| per score. Both sides compute the same fp32 math in a
 # different order (tiles, d-tile partial sums, W_out scaled by G); measured <= 6e-7. The gradient is
-# the reference's own VJP, so only the forward residuals could differ.
-TOL = {"forward": 1e-5, "grad": 1e-5}
+# the reference's own VJP, so only the forward residuals could differ; the backward is checked against
+# the kernel's own forward by central finite differences (fp32: within 1e-2 relative).
+TOL = {"forward": 1e-5, "grad": 1e-5, "fd": 1e-2}
 
 # Tiny models: e = 32 channels, d = 16, n = 4. m2g1: 2 heads of 16 and K = 3; m2g2: 4 heads of 8.
 MODELS = {
@@ -167,6 +168,10 @@ def test_grad_through_custom_vjp_matches_reference():
     for g, w in zip(jax.tree.leaves(got), leaves, strict=True):
         assert g.shape == w.shape
         assert rel_err(g, w) < TOL["grad"] or float(jnp.max(jnp.abs(w))) == 0
+    # the custom backward against the kernel's own forward, along a random direction in f and q
+    loss_fn = jax.jit(lambda f, aux: jnp.sum(weights * kernel(f, "logit", rows, aux=aux)))
+    analytic, numeric = directional_fd(loss_fn, (f, aux), eps=1e-3)
+    assert abs(analytic - numeric) <= TOL["fd"] * abs(numeric), (analytic, numeric)
 
 
 def test_rejects_unknown_method_and_missing_readout():

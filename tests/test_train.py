@@ -62,7 +62,8 @@ def test_same_seed_gives_identical_losses(trained):
 def test_save_and_load_round_trip(trained, tmp_path):
     tc, result = trained
     out = tr.save_trained(tmp_path / "model", result, tc)
-    assert sorted(p.name for p in out.iterdir()) == ["latim_config.json", "params", "task.json"]
+    names = ["latim_config.json", "params", "task.json", "tokenizer.json"]  # tokenizer: the task words
+    assert sorted(p.name for p in out.iterdir()) == names
     model = tr.load_trained(out)
     assert model.config == tc.model
     assert (

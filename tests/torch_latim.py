@@ -1,7 +1,7 @@
 """An independent, plainly written PyTorch LaTIM (float64, explicit loops, everything materialised).
 
 It reads each layer's input and mixer output from a transformers model through forward hooks and
-rebuilds the decomposition from the module's own weights, following latim-math.md literally. It
+rebuilds the decomposition from the module's own weights, following docs/method.md literally. It
 shares no code with latim_jax.
 """
 
@@ -150,8 +150,24 @@ def decompose_layer(mixer, xhat, act=None, mode="exact"):
     return T, bias, out
 
 
-def hidden_attention(mixer, xhat, act=None):
-    """Ali et al.'s hidden attention averaged over channels/heads, without the D term: (L, L)."""
+def hidden_attention(mixer, xhat, act=None, aggregation="minmax"):
+    """Ali et al.'s hidden attention without the D term, aggregated over channels (Mamba-1) / heads
+    (Mamba-2): "signed" = mean, "abs" = mean of |M|, "minmax" = (mean - min) / (max - min) with min and
+    max over the whole per-channel tensor's causal entries. (L, L), float64."""
+    M = channel_attention(mixer, xhat, act)  # (L, L, C), zero above the diagonal
+    L = M.shape[0]
+    if aggregation == "signed":
+        return M.mean(-1)
+    if aggregation == "abs":
+        return M.abs().mean(-1)
+    causal = torch.tril(torch.ones(L, L, dtype=torch.bool))
+    entries = M[causal]  # (pairs, C)
+    lo, hi = entries.min(), entries.max()
+    return torch.where(causal, (M.mean(-1) - lo) / (hi - lo), torch.zeros(L, L, dtype=torch.float64))
+
+
+def channel_attention(mixer, xhat, act=None):
+    """The per-channel (Mamba-1) / per-head (Mamba-2) hidden attention without D: (L, L, C), float64."""
     act = act or mixer.activation
     x = xhat.double()
     d64 = lambda t: t.detach().double()  # noqa: E731
@@ -165,11 +181,11 @@ def hidden_attention(mixer, xhat, act=None):
         dt, Bm, Cm = dbc[:, :R], dbc[:, R : R + N], dbc[:, R + N :]
         delta = F.softplus(dt @ d64(mixer.dt_proj.weight).T + d64(mixer.dt_proj.bias))
         A = -torch.exp(d64(mixer.A_log))
-        out = torch.zeros(L, L, dtype=torch.float64)
+        out = torch.zeros(L, L, e, dtype=torch.float64)
         for i in range(L):
             for t in range(i + 1):
                 seg = delta[t + 1 : i + 1].sum(0)
-                out[i, t] = ((Cm[i] * Bm[t] * torch.exp(A * seg[:, None])).sum(-1) * delta[t]).mean()
+                out[i, t] = (Cm[i] * Bm[t] * torch.exp(A * seg[:, None])).sum(-1) * delta[t]
         return out
     e = mixer.intermediate_size
     H, Gn, N = mixer.num_heads, mixer.n_groups, mixer.ssm_state_size
@@ -180,18 +196,34 @@ def hidden_attention(mixer, xhat, act=None):
     Cm = v[:, e + Gn * N :].reshape(L, Gn, N)
     delta = F.softplus(dt + d64(mixer.dt_bias))
     A = -torch.exp(d64(mixer.A_log))
-    out = torch.zeros(L, L, dtype=torch.float64)
+    out = torch.zeros(L, L, H, dtype=torch.float64)
     for i in range(L):
         for t in range(i + 1):
             seg = delta[t + 1 : i + 1].sum(0)
-            out[i, t] = (
-                sum(
-                    (Cm[i, h // (H // Gn)] @ Bm[t, h // (H // Gn)]) * delta[t, h] * torch.exp(A[h] * seg[h])
-                    for h in range(H)
-                )
-                / H
-            )
+            for h in range(H):
+                g = h // (H // Gn)
+                out[i, t, h] = (Cm[i, g] @ Bm[t, g]) * delta[t, h] * torch.exp(A[h] * seg[h])
     return out
+
+
+def rollout(maps, method, direct=None, alti=None):
+    """Across-layer aggregation of per-layer maps (list of (L, L), float64), written out plainly:
+    alti: R = C^n ... C^1; hidden_attention: the same product of (A + I) / rowsum; logit: input
+    attribution sum_l C^l R^{l-1} (R^0 = I, R^l the alti rollout) plus ``direct`` on the diagonal."""
+    L = maps[0].shape[0]
+    eye = torch.eye(L, dtype=torch.float64)
+    if method == "logit":
+        total, R = torch.diag(direct), eye
+        for c, a in zip(maps, alti, strict=True):
+            total = total + c @ R
+            R = a @ R
+        return total
+    R = eye
+    for m in maps:
+        if method == "hidden_attention":
+            m = (m + eye) / (m + eye).sum(-1, keepdim=True)
+        R = m @ R
+    return R
 
 
 def scores(T, h, o, method, direction=None):

@@ -1,0 +1,126 @@
+"""Memory and time of the gradient of one layer's l2 score matrix, side by side with its forward.
+
+One 130m-shaped layer (Mamba-1: d 768, e 1536, N 16; Mamba-2: d 768, 24 heads of 64, N 128), random
+weights, one prompt; loss = sum of the layer's full (L, L) l2 matrix, exact mode, XLA path. Each
+measurement runs in its own process: XLA's compiled temporary buffer size (``memory_analysis``), the
+process's peak RSS above the RSS after building the inputs, the first call (compile + run) and the
+median of ``--repeats`` further calls.
+
+    python benchmarks/bench_gradients.py --lengths 256 1024 4096 --out benchmarks/results/gradients.json
+
+(~45 min on 2 CPU cores for all three lengths and both versions; L = 4096 dominates.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+WORKER = r"""
+import json, os, sys, time
+import jax, jax.numpy as jnp, numpy as np
+import latim_jax
+from latim_jax.attribution import _layer_input
+from latim_jax.config import MambaConfig
+from latim_jax.decomposition import layer_factors
+from latim_jax.init import init_params
+from latim_jax.scores import layer_scores
+
+version, L, kind, repeats = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+if version == 1:
+    cfg = MambaConfig(version=1, d_model=768, n_layers=1, vocab_size=256, d_state=16)
+else:
+    cfg = MambaConfig(version=2, d_model=768, n_layers=1, vocab_size=256, d_state=128, head_dim=64,
+                      chunk_size=256)
+model = latim_jax.MambaLM(cfg, init_params(cfg, 0))
+tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (1, L)))
+h, _ = _layer_input(model, tokens, 0, "xla")
+
+def loss(h):
+    f = layer_factors(model, h, 0, "exact", impl="xla")
+    return jnp.sum(layer_scores(f, "l2", jnp.arange(L), impl="xla"))
+
+fn = jax.jit(loss if kind == "forward" else jax.grad(loss))
+def rss(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field):
+            return int(line.split()[1]) * 1024
+base = rss("VmRSS:")
+temp = fn.lower(h).compile().memory_analysis().temp_size_in_bytes
+t0 = time.perf_counter(); jax.block_until_ready(fn(h)); first = time.perf_counter() - t0
+times = []
+for _ in range(repeats):
+    t0 = time.perf_counter(); jax.block_until_ready(fn(h)); times.append(time.perf_counter() - t0)
+peak = rss("VmHWM:") - base
+print(json.dumps({"version": version, "L": L, "kind": kind, "temp_bytes": temp, "peak_rss_above_inputs": peak,
+                  "first_s": first, "median_s": float(np.median(times)) if times else first}))
+"""
+
+
+def measure(version: int, length: int, kind: str, repeats: int) -> dict:
+    """One measurement in a fresh process (so peak RSS is its own)."""
+    out = subprocess.run(
+        [sys.executable, "-c", WORKER, str(version), str(length), kind, str(repeats)],
+        capture_output=True, text=True, env=dict(os.environ),
+    )  # fmt: skip
+    if out.returncode != 0:
+        return {"version": version, "L": length, "kind": kind, "error": out.stderr.strip().splitlines()[-1]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown: per version and length, forward vs gradient (time, XLA temp, peak RSS) and ratios."""
+    gib = 1024**3
+    by = {(r["version"], r["L"], r["kind"]): r for r in rows}
+    lines = [
+        "| model | L | forward s | gradient s | forward temp GiB | gradient temp GiB | temp ratio "
+        "| forward peak GiB | gradient peak GiB | peak ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for version, length in sorted({(r["version"], r["L"]) for r in rows}):
+        f, g = by.get((version, length, "forward")), by.get((version, length, "grad"))
+        if not f or not g or "error" in f or "error" in g:
+            lines.append(f"| Mamba-{version} | {length} | {f} | {g} |")
+            continue
+        lines.append(
+            f"| Mamba-{version} 130m layer | {length} | {f['median_s']:.2f} | {g['median_s']:.2f} "
+            f"| {f['temp_bytes'] / gib:.3f} | {g['temp_bytes'] / gib:.3f} "
+            f"| {g['temp_bytes'] / f['temp_bytes']:.2f}x "
+            f"| {f['peak_rss_above_inputs'] / gib:.3f} | {g['peak_rss_above_inputs'] / gib:.3f} "
+            f"| {g['peak_rss_above_inputs'] / max(f['peak_rss_above_inputs'], 1):.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    """Run the measurements; print the table last, write JSON (and markdown beside it)."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096])
+    p.add_argument("--versions", type=int, nargs="+", default=[1, 2], choices=(1, 2))
+    p.add_argument("--repeats", type=int, default=2, help="timed calls after the first (0 above L = 2048)")
+    p.add_argument("--out", default="benchmarks/results/gradients.json")
+    args = p.parse_args(argv)
+    rows = []
+    start = time.perf_counter()
+    for version in args.versions:
+        for length in args.lengths:
+            for kind in ("forward", "grad"):
+                r = measure(version, length, kind, args.repeats if length <= 2048 else 0)
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"rows": rows, "seconds": time.perf_counter() - start}, indent=2))
+    md = table(rows)
+    out.with_suffix(".md").write_text(md + "\n")
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
