@@ -16,21 +16,24 @@ import numpy as np
 
 from latim_jax.baselines import grad_input_scores
 from latim_jax.decomposition import block_factors, check_mode, full_contributions
-from latim_jax.inputs import check_layers, check_rows, is_traced
+from latim_jax.inputs import check_layers, check_rows, is_traced, pad_to_bucket
 from latim_jax.jit import jit_model_fn
 from latim_jax.kernels.dispatch import check_impl
 from latim_jax.layers import f32
 from latim_jax.memory import HEAD_CHUNK, check_fits
 from latim_jax.memory import available as available_memory
+from latim_jax.model import block_forward
 from latim_jax.progress import progress as progress_bar
 from latim_jax.results import Attribution
 from latim_jax.scores import (
     AGGREGATIONS,
     DEFAULT_AGGREGATION,
     METHODS,
+    PRECISIONS,
     Blocks,
     kept_pairs,
     layer_scores,
+    logit_and_alti,
     token_sum,
 )
 from latim_jax.sharding import DATA, P, Runtime, gather, pad_batch, put
@@ -90,7 +93,7 @@ def contributions(
 
 @jit_model_fn(static_argnames=("mode", "impl"))
 def _layer_contributions(block, h, mask, *, mode, impl):
-    f = block_factors(block, h, mode, mask=mask, impl=impl)
+    f = block_factors(block, h, mode, mask=mask, impl=impl, with_total=False)
     T = full_contributions(f)
     if mask is not None:
         T = T * (mask[:, :, None, None] & mask[:, None, :, None])
@@ -114,7 +117,7 @@ def conservation_error(
 
 @jit_model_fn(static_argnames=("mode", "impl"))
 def _layer_conservation(block, h, mask, *, mode, impl):
-    f = block_factors(block, h, mode, mask=mask, impl=impl)
+    f = block_factors(block, h, mode, mask=mask, impl=impl, with_total=False)
     rec = token_sum(f, jnp.arange(f.length)) + f.bias
     valid = 1.0 if mask is None else mask.astype(f32)
     num = jnp.linalg.norm(rec - f.output, axis=-1) * valid
@@ -143,6 +146,8 @@ def attribute(
     memory_limit="auto",
     progress: bool | None = None,
     hold_fixed: bool = False,
+    bucket: bool = True,
+    precision: str = "float32",
 ) -> Attribution:
     """Token-to-token attribution scores for every (or the selected) layer of a Mamba model.
 
@@ -187,6 +192,13 @@ def attribute(
         holds fixed in the scored layer (Delta, B, C, the activation gate, the output gate / group
         norm, the pre-norm scale, and for "logit" the final norm's scale), i.e. the gradient of the
         decomposition's linear map; the values are the same either way. grad_input ignores it.
+      precision: "float32" (default) or "bfloat16": the score path's projection onto W_out (its
+        dominant matrix product) with bf16 operands and fp32 accumulation - several times faster on
+        hardware with bf16 matrix units; scores then carry ~1e-3 relative error (the factors, the
+        hidden attention and every accumulation stay fp32; see the README for measured errors).
+      bucket: compute at the length rounded up to a bucket (:func:`latim_jax.inputs.bucket_length`),
+        the extra positions masked as padding (exact by construction) and cut from the result, so
+        prompts of nearby lengths share one compiled program (concrete inputs only).
 
     Returns an :class:`Attribution` whose ``scores`` are (B, n_layers, R, L) (or top_k) in
     ``out_dtype``, exactly 0 above the diagonal. Pure JAX: works under ``jax.jit``, ``jax.vmap`` and
@@ -202,16 +214,25 @@ def attribute(
         raise ValueError(f"blocks must be a latim_jax.scores.Blocks, found {type(blocks).__name__}")
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, found {out_dtype!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, found {precision!r}")
+    user_mask = mask
+    length = None
+    if bucket:
+        tokens, mask, inputs_embeds, length = pad_to_bucket(tokens, mask, inputs_embeds)
     x = model.prepare_inputs(tokens, mask, inputs_embeds, mesh=mesh)
     runtime = impl if mesh is None else Runtime(impl=impl, mesh=x.mesh)
     mask = x.mask
     B, L = x.h.shape[:2]
+    true_L = L if length is None else length  # the caller's length; L - true_L bucket padding
     n = model.config.n_layers
     layer_list = check_layers(layers, n)
-    row_list = check_rows(rows, L)
-    row_idx = jnp.arange(L) if row_list is None else jnp.asarray(row_list, jnp.int32)
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= L):
-        raise ValueError(f"top_k must be an int in [1, {L}] (the length), found {top_k!r}")
+    row_list = check_rows(rows, true_L)
+    row_idx = jnp.arange(true_L) if row_list is None else jnp.asarray(row_list, jnp.int32)
+    if top_k is not None and (
+        isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= true_L
+    ):
+        raise ValueError(f"top_k must be an int in [1, {true_L}] (the length), found {top_k!r}")
     if stream_to is not None and (top_k is not None or is_traced(x.h) or out_dtype == "bfloat16"):
         raise ValueError(
             "stream_to needs concrete inputs, whole score matrices (not top_k) and float32 or float16"
@@ -230,43 +251,60 @@ def attribute(
         size = runtime.axis_size(DATA)
         targets = put(pad_batch(targets, size), x.mesh, P(DATA if size > 1 else None))
 
-    streams = run_layers(model, x.h, mask, runtime)
-    targets, logit = _head_targets(model, streams[-1], targets)
-    extra = {"targets": targets}
-    direction = (
-        _logit_direction(model, streams[-1], targets, hold_fixed=bool(hold_fixed))
-        if method == "logit"
-        else None
-    )
+    # logit and grad_input need the final stream first (targets, the logit direction): a forward pass,
+    # keeping every layer's input. The other methods score each layer as the pass reaches it, and the
+    # layer's own factors give the next stream (no second scan per layer).
+    needs_final = method in ("logit", "grad_input")
+    extra, direction, streams = {}, None, None
+    if needs_final:
+        streams = run_layers(model, x.h, mask, runtime)
+        targets, logit = _head_targets(model, streams[-1], targets)
+        extra["targets"] = targets
+        if method == "logit":
+            direction = _logit_direction(model, streams[-1], targets, hold_fixed=bool(hold_fixed))
     keep = (lambda a: a) if mesh is None else (lambda a: jax.tree.map(lambda v: v[: x.batch], gather(a)))
-    shape = (x.batch, len(layer_list), len(row_idx), L if top_k is None else top_k)
+    shape = (x.batch, len(layer_list), len(row_idx), true_L if top_k is None else top_k)
     sink = StreamWriter(stream_to, shape, out_dtype) if stream_to is not None else None
     show = progress if progress is not None else (L >= 1024 and len(layer_list) > 1)
-    scores, per_layer = [], []
+    done = {}  # layer -> (scores, extras), computed in increasing layer order
     with_alti = method == "logit" and whole
+    h, at = x.h, 0  # the stream entering layer `at` (single pass)
     try:
-        for k, layer in enumerate(progress_bar(layer_list, desc=f"{method} layers", enabled=show)):
+        for layer in progress_bar(sorted(set(layer_list)), desc=f"{method} layers", enabled=show):
+            if needs_final:
+                h_in = streams[layer]
+            else:
+                while at < layer:
+                    h = block_forward(model.layers[at], h, mask, impl=runtime)
+                    at += 1
+                h_in = h
             if method == "grad_input":
-                out = {"scores": grad_input_scores(model, streams[layer], layer, row_idx, targets, mask=mask,
+                out = {"scores": grad_input_scores(model, h_in, layer, row_idx, targets, mask=mask,
                                                    impl=runtime)}  # fmt: skip
             else:
                 out = _layer_attribution(
-                    model.layers[layer], streams[layer], mask, row_idx, direction, method=method, mode=mode,
+                    model.layers[layer], h_in, mask, row_idx, direction, method=method, mode=mode,
                     impl=runtime, blocks=blocks, aggregation=aggregation, with_alti=with_alti,
-                    hold_fixed=bool(hold_fixed),
+                    hold_fixed=bool(hold_fixed), with_next=not needs_final, precision=precision,
                 )  # fmt: skip
+            if not needs_final:
+                h, at = out.pop("next"), layer + 1
             out = keep(out)
-            s = out.pop("scores")
+            s = out.pop("scores")[..., :true_L]
+            if "alti" in out:
+                out["alti"] = out["alti"][..., :true_L, :true_L]
             _check_finite(s, method, layer)
             if top_k is not None:
                 s, sources = _top_k(s, top_k, row_idx, keep(mask))
                 out["sources"] = sources
             s = s.astype(out_dtype)
             if sink is not None:
-                sink.write(k, s)
-            else:
-                scores.append(s)
-            per_layer.append(out)
+                for k in (k for k, x_ in enumerate(layer_list) if x_ == layer):
+                    sink.write(k, s)
+                s = None
+            done[layer] = (s, out)
+        scores = [done[layer][0] for layer in layer_list]
+        per_layer = [done[layer][1] for layer in layer_list]
         rows_valid = None if mask is None else mask[:, row_idx]
         if method == "logit":
             extra["direct"] = _masked(
@@ -281,16 +319,19 @@ def attribute(
         if top_k is not None:
             extra["sources"] = jnp.stack([p["sources"] for p in per_layer], 1)
         extra = {k: (keep(v) if k in ("targets", "direct", "logit") else v) for k, v in extra.items()}
+        if "targets" in extra:
+            extra["targets"] = extra["targets"][:, :true_L]
+        cut = (lambda a: None if a is None else a[:, :true_L]) if true_L < L else (lambda a: a)
         result = Attribution(
             scores=None if sink is not None else jnp.stack(scores, 1),
-            tokens=keep(x.tokens),
+            tokens=cut(keep(x.tokens)),
             extra=extra,
             method=method,
             mode=mode,
             layers=layer_list,
             rows=row_list,
             model=getattr(model, "source", None) or "",
-            mask=keep(mask),
+            mask=None if user_mask is None and true_L < L else cut(keep(mask)),
             aggregation=aggregation if method == "hidden_attention" else None,
             top_k=top_k,
         )
@@ -380,23 +421,54 @@ def _logit_direction(model, h_final, targets, hold_fixed=False):
     return model.norm_f[...].astype(f32) * row * r_inv
 
 
-@jit_model_fn(static_argnames=("method", "mode", "impl", "blocks", "aggregation", "with_alti", "hold_fixed"))
+@jit_model_fn(
+    static_argnames=(
+        "method",
+        "mode",
+        "impl",
+        "blocks",
+        "aggregation",
+        "with_alti",
+        "hold_fixed",
+        "with_next",
+        "precision",
+    )
+)
 def _layer_attribution(
-    block, h, mask, rows, direction, *, method, mode, impl, blocks, aggregation, with_alti, hold_fixed=False
+    block,
+    h,
+    mask,
+    rows,
+    direction,
+    *,
+    method,
+    mode,
+    impl,
+    blocks,
+    aggregation,
+    with_alti,
+    hold_fixed=False,
+    with_next=False,
+    precision="float32",
 ):
     """One layer: {"scores" (b, r, l)} plus, for logit, "bias" (b, r) [and "alti" (b, l, l)], and for
     the paper mode "error" (b,): mean over real positions of ||o_i - beta_i - sum_j T_i(x_j)|| / ||o_i||
-    (O(l): one scan, LayerFactors.token_total)."""
-    f = block_factors(block, h, mode, mask=mask, impl=impl, hold_fixed=hold_fixed)
+    (O(l): one scan, LayerFactors.token_total); with_next: "next" = h + o, the stream entering the next
+    layer (from this layer's own intermediates: no second scan)."""
+    want_error = mode == "paper" and method != "hidden_attention"
+    f = block_factors(block, h, mode, mask=mask, impl=impl, hold_fixed=hold_fixed, with_total=want_error)
     aux = jnp.einsum("bld,ed->ble", direction, f.W_out) if method == "logit" else None
-    common = dict(mask=mask, blocks=blocks, impl=impl)
-    out = {"scores": layer_scores(f, method, rows, aux=aux, aggregation=aggregation, **common)}
+    common = dict(mask=mask, blocks=blocks, impl=impl, precision=precision)
+    if with_alti:  # every row: the logit scores and the alti maps of the rollout, in one pass
+        out = dict(zip(("scores", "alti"), logit_and_alti(f, rows, aux, **common), strict=True))
+    else:
+        out = {"scores": layer_scores(f, method, rows, aux=aux, aggregation=aggregation, **common)}
     valid = jnp.ones(h.shape[:2], bool) if mask is None else mask
     if method == "logit":
         out["bias"] = jnp.where(valid, jnp.einsum("bld,bld->bl", f.bias, direction), 0.0)[:, rows]
-        if with_alti:
-            out["alti"] = layer_scores(f, "alti", jnp.arange(f.length), **common)
-    if mode == "paper" and method != "hidden_attention":
+    if want_error:
         rel = jnp.linalg.norm(f.token_total + f.bias - f.output, axis=-1) / jnp.linalg.norm(f.output, axis=-1)
         out["error"] = jnp.sum(jnp.where(valid, rel, 0.0), -1) / jnp.sum(valid, -1)
+    if with_next:
+        out["next"] = h.astype(f32) + f.output
     return out

@@ -17,8 +17,8 @@ computes only the missing prompts, so every prompt ends up exactly once. Under s
 (``jax.distributed``) process P takes every P-th prompt (by input order) and writes shard-P-*.
 
 Batches: prompts sorted by length, ``batch_size`` per batch, each padded on the right (with a mask, so
-every prompt's scores equal the prompt alone) to its length rounded up to a bucket (multiples of 16 up
-to 128, then of 64), so a run compiles a handful of shapes rather than one per length.
+every prompt's scores equal the prompt alone) to its length rounded up to a bucket
+(:func:`latim_jax.inputs.bucket_length`), so a run compiles a handful of shapes, not one per length.
 
 Reading back: :func:`open_results` (a lazy mapping id -> :class:`~latim_jax.results.Attribution`).
 """
@@ -137,9 +137,11 @@ def _tokenize(text, tokenize):
 
 
 def bucket(length: int) -> int:
-    """The padded length of a batch whose longest prompt has ``length`` tokens."""
-    step = 16 if length <= 128 else 64
-    return -(-length // step) * step
+    """The padded length of a batch whose longest prompt has ``length`` tokens
+    (:func:`latim_jax.inputs.bucket_length`)."""
+    from latim_jax.inputs import bucket_length
+
+    return bucket_length(length)
 
 
 def make_batches(prompts: list[Prompt], batch_size: int) -> list[list[Prompt]]:

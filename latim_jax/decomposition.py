@@ -38,7 +38,8 @@ class LayerFactors:
     A, D, delta, B, C, decay: the hidden-attention inputs (see latim_jax.hidden_attention);
     bias: (b, l, d) the non-token term beta; output: (b, l, d) the mixer output o; h: (b, l, d) the
     residual stream entering the layer; token_total: (b, l, d) sum_j T_i(x_j) for every i, from one scan
-    (:func:`token_total`), so reconstruction errors cost O(l) rather than O(l^2).
+    (:func:`token_total`), so reconstruction errors cost O(l) rather than O(l^2); None when not asked
+    for (it costs one more scan).
     """
 
     version: int = dataclasses.field(metadata=dict(static=True))
@@ -56,7 +57,7 @@ class LayerFactors:
     bias: jax.Array
     output: jax.Array
     h: jax.Array
-    token_total: jax.Array
+    token_total: jax.Array | None
 
     @property
     def length(self) -> int:
@@ -80,7 +81,14 @@ def layer_factors(
 
 
 def block_factors(
-    block, h, mode: str = "exact", *, mask=None, impl: str = "auto", hold_fixed: bool = False
+    block,
+    h,
+    mode: str = "exact",
+    *,
+    mask=None,
+    impl: str = "auto",
+    hold_fixed: bool = False,
+    with_total: bool = True,
 ) -> LayerFactors:
     """The factors of one residual block (a :class:`latim_jax.model.Block`) for its input stream h.
 
@@ -88,7 +96,8 @@ def block_factors(
     zero tap values a, so a pad position contributes exactly nothing to any target. ``hold_fixed``:
     the same values, but gradients do not flow through the quantities LaTIM holds fixed (Delta, B, C,
     the activation gate s, the output gate G, the pre-norm scale): the layer is differentiated as the
-    linear map of the token values that the decomposition describes.
+    linear map of the token values that the decomposition describes. ``with_total``: also build
+    ``token_total`` (one more scan; what the paper-mode error needs).
     """
     check_mode(mode)
     mixer, cfg = block.mixer, block.config
@@ -130,7 +139,7 @@ def block_factors(
         )
     A = mixer.A
     return LayerFactors(
-        token_total=token_total(mixer, inter, a, W_out, impl),
+        token_total=token_total(mixer, inter, a, W_out, impl) if with_total else None,
         version=cfg.version,
         mode=mode,
         heads=cfg.n_heads if cfg.version == 2 else e,

@@ -103,6 +103,39 @@ def check_mask(mask, batch: int, length: int) -> jax.Array | None:
     return jnp.asarray(m)
 
 
+def bucket_length(length: int) -> int:
+    """The padded length that ``length`` positions are computed at, so that nearby lengths share one
+    compiled program: a multiple of 16 up to 64, of 32 up to 512, of 128 up to 4096, then of 512
+    (at most ~50% more positions for tiny inputs, where compilation dominates, and ~12% for long ones)."""
+    step = 16 if length <= 64 else 32 if length <= 512 else 128 if length <= 4096 else 512
+    return -(-length // step) * step
+
+
+def pad_to_bucket(tokens, mask, inputs_embeds):
+    """(tokens, mask, inputs_embeds, length) right-padded to :func:`bucket_length` of their length,
+    the mask marking the added positions as padding (exact: padding is skipped by construction).
+    Concrete inputs only; traced ones are returned as they are."""
+    x = tokens if inputs_embeds is None else inputs_embeds
+    if x is None or is_traced(x) or is_traced(mask):
+        return tokens, mask, inputs_embeds, None
+    arr = np.asarray(x)
+    if arr.ndim < 2:
+        return tokens, mask, inputs_embeds, None
+    b, length = arr.shape[:2]
+    extra = bucket_length(length) - length
+    if extra == 0:
+        return tokens, mask, inputs_embeds, length
+    m = np.ones((b, length), bool) if mask is None else np.asarray(mask)
+    if m.shape != (b, length):
+        return tokens, mask, inputs_embeds, None  # let check_mask report the shape
+    widths = [(0, 0), (0, extra)] + [(0, 0)] * (arr.ndim - 2)
+    padded = np.pad(arr, widths)
+    m = np.pad(m.astype(bool), ((0, 0), (0, extra)))
+    if inputs_embeds is None:
+        return padded, m, None, length
+    return None, m, padded, length
+
+
 def check_layers(layers, n_layers: int) -> tuple[int, ...]:
     """None (all layers), an int, or ints in [-n, n) -> a non-empty tuple of layer indices in [0, n)."""
     if layers is None:

@@ -59,11 +59,17 @@ class Blocks:
                 raise ValueError(f"Blocks.{name} must be a positive int, found {value!r}")
 
     @classmethod
-    def for_layer(cls, version: int, length: int) -> Blocks:
-        """Defaults: small blocks for Mamba-1 (its per-channel N-sum is the big intermediate)."""
+    def for_layer(cls, version: int, length: int, n_rows: int | None = None) -> Blocks:
+        """Defaults: small blocks for Mamba-1 (its per-channel N-sum is the big intermediate). With few
+        target rows (``n_rows`` below the square block's side) the row block shrinks to them and the
+        column block grows to keep the block's size: ``rows=[-1]`` does not pay for a whole row block."""
         size = 16 if version == 1 else 64
-        size = min(size, max(8, 1 << (max(length, 1) - 1).bit_length()))
-        return cls(rows=size, cols=size)
+        cap = max(8, 1 << (max(length, 1) - 1).bit_length())
+        size = min(size, cap)
+        if n_rows is None or n_rows >= size:
+            return cls(rows=size, cols=size)
+        rows = 1 << (max(n_rows, 1) - 1).bit_length()
+        return cls(rows=rows, cols=min(cap, 1024, size * size // rows))
 
 
 def safe_norm(x, axis):
@@ -73,22 +79,41 @@ def safe_norm(x, axis):
     return jnp.where(zero, 0.0, jnp.sqrt(jnp.where(zero, 1.0, sq)))
 
 
-def pair_score(f: LayerFactors, method: str, rows, j0, width, aux=None):
+PRECISIONS = ("float32", "bfloat16")
+
+
+def project(V, W_out, precision: str = "float32"):
+    """T = V @ W_out over e: (b, r, q, e) x (e, d) -> (b, r, q, d), the score path's dominant matrix
+    product; "bfloat16" rounds both operands to bf16 and accumulates in fp32 (matrix units)."""
+    if precision == "bfloat16":
+        V, W_out = V.astype(jnp.bfloat16), W_out.astype(jnp.bfloat16)
+    return jnp.einsum("brje,ed->brjd", V, W_out, preferred_element_type=f32)
+
+
+def pair_score(f: LayerFactors, method: str, rows, j0, width, aux=None, precision: str = "float32"):
     """Scores of pairs (i in rows, j in [j0, j0 + width)): (b, r, width), unnormalised."""
     V = pair_values(f, rows, j0, width)  # (b, r, width, e)
     if method == "logit":
         return jnp.einsum("brje,bre->brj", V, aux[:, rows])
-    T = jnp.einsum("brje,ed->brjd", V, f.W_out)
+    if method == "logit+alti":  # both from the same V: (b, r, width, 2)
+        logit = jnp.einsum("brje,bre->brj", V, aux[:, rows])
+        return jnp.stack([logit, _alti_raw(f, project(V, f.W_out, precision), rows, j0, width)], -1)
+    T = project(V, f.W_out, precision)
     if method == "l2":
         return safe_norm(T, -1)
     if method == "l1":
         return jnp.sum(jnp.abs(T), axis=-1)
     if method == "alti":
-        hout = (f.h + f.output)[:, rows]  # (b, r, d); the bias terms are part of o
-        diag = (rows[:, None] == (j0 + jnp.arange(width))[None, :]).astype(f32)  # (r, width)
-        Tp = T + diag[None, :, :, None] * f.h[:, rows][:, :, None]
-        return jnp.maximum(0.0, jnp.sum(alti_gain(hout[:, :, None], Tp), -1))
+        return _alti_raw(f, T, rows, j0, width)
     raise ValueError(f"unknown LaTIM score {method!r}; expected one of {LATIM_METHODS}")
+
+
+def _alti_raw(f: LayerFactors, T, rows, j0, width):
+    """max(0, ||hout_i||_1 - ||hout_i - T'_ij||_1) for T (b, r, width, d), before normalisation."""
+    hout = (f.h + f.output)[:, rows]  # (b, r, d); the bias terms are part of o
+    diag = (rows[:, None] == (j0 + jnp.arange(width))[None, :]).astype(f32)  # (r, width)
+    Tp = T + diag[None, :, :, None] * f.h[:, rows][:, :, None]
+    return jnp.maximum(0.0, jnp.sum(alti_gain(hout[:, :, None], Tp), -1))
 
 
 def blocked(fn, rows, length, blocks: Blocks, out_tail=()):
@@ -140,28 +165,63 @@ def layer_scores(
     aux=None,
     impl="xla",
     aggregation: str = DEFAULT_AGGREGATION,
+    precision: str = "float32",
 ):
     """Scores (b, len(rows), l) of one layer, finished by :func:`finish_scores` (causal, padding
-    masked, alti rows normalised to sum 1).
+    masked, alti rows normalised to sum 1). ``precision``: the projection onto W_out in fp32 or
+    bf16 with fp32 accumulation (:func:`project`; the fused kernel: ScoreBlockSizes.precision).
 
     ``impl``: "xla" = the blocked pure-JAX path; "pallas" = the fused kernel (kernels/fused_scores.py,
     interpret mode on CPU) for l2/l1/alti/logit; "auto" = the kernel on TPU/GPU, XLA elsewhere.
     ``mask`` (b, l) bool of valid positions or None; ``aggregation``: hidden attention only.
     """
-    blocks = blocks or Blocks.for_layer(f.version, f.length)
+    blocks = blocks or Blocks.for_layer(f.version, f.length, rows.shape[0])
     runtime = as_runtime(impl)
     if runtime.axis_size(DATA) > 1 or runtime.axis_size(MODEL) > 1:
-        return _split_layer_scores(f, method, rows, mask, blocks, aux, runtime, aggregation)
+        return _split_layer_scores(f, method, rows, mask, blocks, aux, runtime, aggregation, precision)
     if method == "hidden_attention":
         s = hidden_attention_scores(f, rows, mask=mask, blocks=blocks, aggregation=aggregation)
     elif use_pallas(impl) and method in fused_scores.METHODS:
-        s = fused_scores.fused_layer_scores(f, method, rows, aux=aux)
+        s = fused_scores.fused_layer_scores(f, method, rows, aux=aux, block_sizes=_kernel_blocks(precision))
     else:
-        s = blocked(lambda rb, j0: pair_score(f, method, rb, j0, blocks.cols, aux), rows, f.length, blocks)
+
+        def fn(rb, j0):
+            return pair_score(f, method, rb, j0, blocks.cols, aux, precision)
+
+        s = blocked(fn, rows, f.length, blocks)
     return finish_scores(s, method, rows, mask)
 
 
-def _split_layer_scores(f, method, rows, mask, blocks, aux, runtime, aggregation):
+def _kernel_blocks(precision: str):
+    """The fused kernel's default block sizes with ``precision`` (None: all defaults)."""
+    if precision == "float32":
+        return None
+    from latim_jax.kernels.block_sizes import resolve_target
+
+    target, interpret = resolve_target(None, None)
+    base = fused_scores.ScoreBlockSizes.for_platform("cpu" if interpret else target)
+    return dataclasses.replace(base, precision="default")
+
+
+def logit_and_alti(
+    f: LayerFactors, rows, aux, *, mask=None, blocks: Blocks | None = None, impl="xla", precision="float32"
+):
+    """(logit scores, alti scores) of one layer, both finished, from ONE pass over the blocks when the
+    XLA path runs (the pair values V and contributions T are shared: the logit rollout needs both)."""
+    runtime = as_runtime(impl)
+    if use_pallas(impl) or runtime.axis_size(DATA) > 1 or runtime.axis_size(MODEL) > 1:
+        common = dict(mask=mask, blocks=blocks, impl=impl, precision=precision)
+        return layer_scores(f, "logit", rows, aux=aux, **common), layer_scores(f, "alti", rows, **common)
+    blocks = blocks or Blocks.for_layer(f.version, f.length, rows.shape[0])
+
+    def fn(rb, j0):
+        return pair_score(f, "logit+alti", rb, j0, blocks.cols, aux, precision)
+
+    s = blocked(fn, rows, f.length, blocks, (2,))
+    return finish_scores(s[..., 0], "logit", rows, mask), finish_scores(s[..., 1], "alti", rows, mask)
+
+
+def _split_layer_scores(f, method, rows, mask, blocks, aux, runtime, aggregation, precision="float32"):
     """:func:`layer_scores` inside ``jax.shard_map``: prompts over "data", target rows over "model"
     (rows padded to a multiple of the axis by repeating the last one). Each device holds the whole
     layer's factors for its prompts: rows are independent given them."""
@@ -175,7 +235,8 @@ def _split_layer_scores(f, method, rows, mask, blocks, aux, runtime, aggregation
     batch = P(data)
     specs = dataclasses.replace(
         f, a=P(None, data), G=batch, W_out=P(), A=P(), D=P(), delta=batch, B=batch, C=batch,
-        decay=type(f.decay)(batch, batch), bias=batch, output=batch, h=batch, token_total=batch,
+        decay=type(f.decay)(batch, batch), bias=batch, output=batch, h=batch,
+        token_total=None if f.token_total is None else batch,
     )  # fmt: skip
     args, in_specs = [f, rows_p], [specs, P(model)]
     for extra in (aux, mask):
@@ -188,8 +249,9 @@ def _split_layer_scores(f, method, rows, mask, blocks, aux, runtime, aggregation
         aux_ = extra.pop(0) if aux is not None else None
         mask_ = extra.pop(0) if mask is not None else None
         return layer_scores(
-            f, method, rows, mask=mask_, blocks=blocks, aux=aux_, impl=local, aggregation=aggregation
-        )
+            f, method, rows, mask=mask_, blocks=blocks, aux=aux_, impl=local, aggregation=aggregation,
+            precision=precision,
+        )  # fmt: skip
 
     out = jax.shard_map(
         scores, mesh=runtime.mesh, in_specs=tuple(in_specs), out_specs=P(data, model), check_vma=False
@@ -243,7 +305,7 @@ def hidden_attention_scores(f: LayerFactors, rows, *, mask=None, blocks: Blocks,
     s = blocked(pair, rows, f.length, blocks)
     if aggregation != "minmax":
         return s
-    lo, hi = hidden_attention_range(f, mask=mask, blocks=blocks)  # (b,) each
+    lo, hi = hidden_attention_range(f, mask=mask, blocks=Blocks.for_layer(f.version, f.length))  # (b,) each
     span = (hi - lo)[:, None, None]
     return jnp.where(span > 0, (s - lo[:, None, None]) / jnp.where(span > 0, span, 1.0), 1.0)
 

@@ -69,7 +69,7 @@ def test_bad_lines_are_named_by_line_and_skipped_or_fatal(tmp_path):
 
 
 def test_batches_by_length_and_buckets():
-    assert [bucket(n) for n in (1, 16, 17, 128, 129, 200)] == [16, 16, 32, 128, 192, 256]
+    assert [bucket(n) for n in (1, 16, 17, 64, 65, 129, 513, 4097)] == [16, 16, 32, 64, 96, 160, 640, 4608]
     from latim_jax.dataset import Prompt
 
     prompts = [Prompt(str(k), tuple([1] * n), k) for k, n in enumerate([5, 1, 9, 5, 2])]
