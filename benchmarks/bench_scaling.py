@@ -79,11 +79,11 @@ def parse(argv=None):
     p.add_argument("--keep-models", type=Path, default=None)
     args = p.parse_args(argv)
     if args.quick:
-        args.shape, args.lengths, args.batch_length, args.batches = "quick", [64, 128, 256], 128, [1, 2, 4]
-        args.largest_start, args.largest_max, args.cap_gib = 256, 2048, min(args.cap_gib, 1.5)
-        args.rows_lengths, args.rows_length, args.rows_counts = [256, 1024, 4096], 1024, [1, 64]
-        args.depths, args.depth_d, args.runs, args.budget_s, args.matmul_n = [2, 6], 32, 2, 10.0, 512
-        args.timeout_s = 600.0
+        quick = dict(shape="quick", lengths=[64, 128, 256], batch_length=128, batches=[1, 2, 4])
+        quick.update(largest_start=256, largest_max=2048, cap_gib=1.5, timeout_s=600.0)
+        quick.update(rows_lengths=[256, 1024, 4096], rows_length=1024, rows_counts=[1, 64])
+        quick.update(depths=[2, 6], depth_d=32, runs=2, budget_s=10.0, matmul_n=512)
+        H.quick_defaults(p, args, quick)
     if args.out is None:
         args.out = H.RESULTS / ("scaling_quick.json" if args.quick else "scaling.json")
     return args

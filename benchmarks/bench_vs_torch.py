@@ -20,7 +20,8 @@ Duration of the full run (2 shared cores; the issue's one-layer L = 512 times: t
 / 14 s (Mamba-1), plain 13 / 30 s, latim-jax 2 / 6.5 s; all O(L^2)): 130m one layer, L = 128..2048,
 4 methods, 2 versions ~4-5 h (latim-jax at L = 2048 dominates: ~30 s / ~100 s a call; torch stops at
 its OOM); 130m all 24 layers at L = 128 and 512 ~3-4 h (torch Mamba-1 plain: ~12 min a call); 370m
-(48 layers, d = 1024) at L = 512 ~3-5 h. --plain-max-length and --methods trim it.
+(48 layers, d = 1024) at L = 512 ~3-5 h. --plain-max-length and --methods trim it. --jax-precision
+bfloat16 measures latim-jax's bf16 projection (fp32 accumulation) instead of fp32.
 
 Output: --out (default benchmarks/results/vs_torch.json; --quick: vs_torch_quick.json) and the same
 tables as markdown beside it (.md); the table is printed last. `python benchmarks/report.py` folds the
@@ -70,16 +71,21 @@ def parse(argv=None):
     p.add_argument("--check-max-mib", type=float, default=64.0, help="compare scores up to this size")
     p.add_argument("--matmul-n", type=int, default=2048)
     p.add_argument("--torch-threads", type=int, default=None, help="default: torch's own (= cores)")
+    p.add_argument(
+        "--jax-precision",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="latim-jax's W_out projection (bfloat16: bf16 operands, fp32 accumulation)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--keep-models", type=Path, default=None, help="build the models in this directory")
     args = p.parse_args(argv)
     if args.quick:
-        args.shapes, args.model_scope_only = ["quick"], []
-        args.methods = [m for m in args.methods if m in ("l2", "hidden_attention")] or ["l2"]
-        args.lengths, args.model_lengths, args.forward_lengths = [64, 128], [64], [128]
-        args.plain_max_length, args.runs, args.budget_s = 64, 2, 10.0
-        args.cap_gib, args.timeout_s, args.matmul_n = min(args.cap_gib, 4.0), 600.0, 512
+        quick = dict(shapes=["quick"], model_scope_only=[], methods=["l2", "hidden_attention"])
+        quick.update(lengths=[64, 128], model_lengths=[64], forward_lengths=[128], plain_max_length=64)
+        quick.update(runs=2, budget_s=10.0, cap_gib=4.0, timeout_s=600.0, matmul_n=512)
+        H.quick_defaults(p, args, quick)
     if args.out is None:
         args.out = H.RESULTS / ("vs_torch_quick.json" if args.quick else "vs_torch.json")
     return args
@@ -142,6 +148,7 @@ def attribute_spec(args, impl, s, path, method, length, save):
         "budget_s": args.budget_s,
         "save": save,
         "torch_threads": args.torch_threads,
+        "precision": args.jax_precision,
     }
 
 

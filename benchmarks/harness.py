@@ -95,6 +95,13 @@ def run_worker(spec: dict, *, cap_gib: float, timeout_s: float, reserve_gib: flo
     return {**json.loads(lines[-1]), **base}
 
 
+def quick_defaults(parser, args, values: dict) -> None:
+    """--quick: every option the command line left at its default takes its quick value instead."""
+    for key, value in values.items():
+        if getattr(args, key) == parser.get_default(key):
+            setattr(args, key, value)
+
+
 def machine() -> dict:
     """CPU model, cores, RAM, OS, load average (the facts every result file carries)."""
     cpu = "unknown"

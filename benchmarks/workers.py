@@ -15,6 +15,7 @@ and vice versa.
 from __future__ import annotations
 
 import gc
+import inspect
 import json
 import re
 import resource
@@ -99,8 +100,6 @@ def load_torch(spec):
 
 def task_probe(spec):
     """Versions of everything measured, and whether attribute() takes ``aggregation=``."""
-    import inspect
-
     import flax
     import jax
     import numpy as np
@@ -164,6 +163,14 @@ def task_attribute(spec):
             kw["target"] = tokens
         if method == "hidden_attention" and spec.get("aggregation_supported"):
             kw["aggregation"] = spec["aggregation"]
+        accepted = inspect.signature(latim_jax.attribute).parameters
+        if "memory_limit" in accepted:  # measure what happens, not the library's estimate of it
+            kw["memory_limit"] = None
+        if spec.get("precision", "float32") != "float32":
+            if "precision" not in accepted:
+                raise SystemExit("latim_jax.attribute has no precision= (needed for --jax-precision)")
+            kw["precision"] = spec["precision"]
+        extra["precision"] = spec.get("precision", "float32")
         extra["aggregation"] = kw.get("aggregation", "signed") if method == "hidden_attention" else None
 
         def fn():

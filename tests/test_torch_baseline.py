@@ -34,11 +34,6 @@ VARIANTS = {
     "m1bias": dict(version=1, d_state=4, d_conv=4, use_bias=True, tied=False),
     "m2g2": dict(version=2, d_state=4, d_conv=3, head_dim=4, n_groups=2),
 }
-ALTI_BUG = (
-    "latim_jax alti: entries above the diagonal are not exactly 0 (||hout||_1 - ||hout - 0||_1 rounds to "
-    "+1e-7), they take part of each row's mass, and a row with no positive causal entry is normalised "
-    "over that noise instead of one-hot"
-)
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
@@ -51,52 +46,10 @@ def prompts(model, length, batch=2):
     return np.random.default_rng(length).integers(0, model.config.vocab_size, (batch, length))
 
 
-def library(model, ids, method, mode, aggregation):
-    """latim_jax scores; hidden attention through ``aggregation=`` once the library has it, else the
-    aggregation applied here to the library's own per-channel hidden attention."""
-    if method != "hidden_attention" or aggregation == "signed":
-        return np.asarray(latim_jax.attribute(model, ids, method=method, mode=mode).scores)
-    try:
-        res = latim_jax.attribute(model, ids, method=method, aggregation=aggregation)
-        return np.asarray(res.scores)
-    except TypeError:
-        return aggregate_library_channels(model, ids, aggregation)
-
-
-def aggregate_library_channels(model, ids, aggregation):
-    """The library's per-channel (Mamba-2: per-head) M without D, aggregated as NOTES.md defines it."""
-    import jax
-    import jax.numpy as jnp
-
-    from latim_jax.decomposition import layer_factors
-    from latim_jax.hidden_attention import full_hidden_attention
-
-    @jax.jit
-    def channels(ids):
-        res = model.forward(ids).residuals
-        out = []
-        for layer in range(model.config.n_layers):
-            f = layer_factors(model, res[layer], layer)
-            out.append(full_hidden_attention(f.version, f.A, f.D, f.delta, f.B, f.C, with_D=False))
-        return jnp.stack(out, 1)  # (b, layers, l, l, c)
-
-    M = np.asarray(channels(jnp.asarray(ids)))
-    if aggregation == "abs":
-        return np.abs(M).mean(-1)
-    L = ids.shape[1]
-    causal = np.tril(np.ones((L, L), bool))[None, None, :, :, None]
-    mn = np.where(causal, M, np.inf).min((2, 3, 4), keepdims=True)
-    mx = np.where(causal, M, -np.inf).max((2, 3, 4), keepdims=True)
-    return np.where(causal, (M - mn) / (mx - mn), 0.0).mean(-1)
-
-
-def fix_library_alti(scores):
-    """Undo ALTI_BUG: drop the library's entries above the diagonal and renormalise each row (one-hot
-    on j = i where no causal entry is positive). The identity on a correct alti matrix."""
-    L = scores.shape[-1]
-    low = np.tril(scores)
-    total = low.sum(-1, keepdims=True)
-    return np.where(total > 0, low / np.where(total > 0, total, 1.0), np.eye(L))
+def library(model, ids, method, mode, aggregation="minmax"):
+    """latim_jax scores (B, n_layers, L, L) as numpy."""
+    kw = {"aggregation": aggregation} if method == "hidden_attention" else {"mode": mode}
+    return np.asarray(latim_jax.attribute(model, ids, method=method, **kw).scores)
 
 
 def alti_bound(ref, ids, mode):
@@ -127,11 +80,11 @@ def test_baseline_equals_library(case, method, mode, length):
     want = library(model, ids, method, mode, "signed")
     got = tb.attribute(ref, torch.from_numpy(ids), method, mode, aggregation="signed").numpy()
     assert got.shape == want.shape == (2, model.config.n_layers, length, length)
-    assert (np.triu(got, 1) == 0).all(), "baseline scores must be exactly 0 above the diagonal"
+    assert (np.triu(got, 1) == 0).all() and (np.triu(want, 1) == 0).all(), "j > i must be exactly 0"
     if method != "alti":
         assert rel_err(got, want) < TOL[method], (name, method, mode, length)
         return
-    err = np.abs(got - fix_library_alti(want))
+    err = np.abs(got - want)
     assert (err <= alti_bound(ref, ids, mode)).all(), (name, mode, length, err.max())
 
 
@@ -155,11 +108,3 @@ def test_fair_equals_plain_and_layer_subset(case):
         assert rel_err(fair.numpy(), plain.numpy()) < TOL["fair_vs_plain"], (name, method)
         one = tb.attribute(ref, ids, method, layers=[1])
         assert torch.equal(one[:, 0], fair[:, 1]), (name, method)
-
-
-@pytest.mark.xfail(strict=True, reason=ALTI_BUG)
-def test_library_alti_is_zero_above_diagonal(case):
-    """The library's documented invariant; fails today (see ALTI_BUG). Remove the mark once fixed."""
-    _, _, model = case
-    scores = np.asarray(latim_jax.attribute(model, prompts(model, 21), method="alti").scores)
-    assert (np.triu(scores, 1) == 0).all()
