@@ -368,7 +368,7 @@ def tables(result) -> str:
             parts += _rows_table(exp, settings)
         if "depth" in exp:
             parts += _depth_table(exp, settings)
-    parts.append("### This machine's rates (same job; the best of its start and end)\n")
+    parts.append(H.rates_heading(result))
     parts.append(
         H.markdown_table(["rate", "value"], [[k, H.fmt(v, ".1f")] for k, v in result["rates"].items()])
     )

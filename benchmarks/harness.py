@@ -186,6 +186,12 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def rates_heading(result: dict) -> str:
+    """Heading of a result's rates table (older files measured the rates at the start only)."""
+    when = "the best of its start and end" if "rates_end" in result else "measured at its start"
+    return f"### This machine's rates (same job; {when})\n"
+
+
 def describe_failure(rec: dict) -> str:
     """A short cell for a record that did not complete."""
     s = rec.get("status", "?")
