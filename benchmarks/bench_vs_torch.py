@@ -309,7 +309,7 @@ def tables(result: dict) -> str:
     parts.append("\n\n### Model forward: latim-jax vs transformers (CPU path)\n")
     head = ["shape", "version", "L", "latim-jax s", "transformers s", "speedup", "jax compile s"]
     parts.append(H.markdown_table(head, fwd))
-    parts.append("\n\n### This machine's rates (same job; the best of its start and end)\n")
+    parts.append("\n\n" + H.rates_heading(result))
     rates = [[k, H.fmt(v, ".1f")] for k, v in result["rates"].items()]
     parts.append(H.markdown_table(["rate", "value"], rates))
     return "\n".join(parts) + "\n"
