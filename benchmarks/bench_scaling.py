@@ -16,7 +16,7 @@ Experiments (``--experiments``, all by default; each measurement a guarded subpr
            models of --depths layers (d = --depth-d, the shape's other sizes, L = --depth-length):
            a Python loop over layers makes it grow with depth.
 
-    python benchmarks/bench_scaling.py --quick                   # tiny shapes, end-to-end: 5-10 min
+    python benchmarks/bench_scaling.py --quick                   # tiny shapes, end-to-end: 5-15 min
     nice -n 10 python benchmarks/bench_scaling.py                # full: about 6-9 hours here
     nice -n 10 python benchmarks/bench_scaling.py --experiments depth     # ~10 min
 
