@@ -248,7 +248,9 @@ def attribute(
             model, x.batch, L, limit=limit, method=method, rows=n_rows, layers=n_layers, top_k=top_k,
             out_dtype=out_dtype, stream=stream_to is not None, blocks=blocks,
         )  # fmt: skip
-    targets = _targets(target, x.batch, L, model.config.vocab_size)
+    targets = _targets(target, x.batch, true_L, model.config.vocab_size)
+    if targets is not None and L > true_L:  # bucket padding: any id at the (masked) extra positions
+        targets = jnp.pad(targets, ((0, 0), (0, L - true_L)))
     if targets is not None and mesh is not None:
         size = runtime.axis_size(DATA)
         targets = put(pad_batch(targets, size), x.mesh, P(DATA if size > 1 else None))
