@@ -94,7 +94,7 @@ n_layers, L, model_axis = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 cfg = MambaConfig(version=1, d_model=2560, n_layers=n_layers, vocab_size=50280, d_state=16)
 model = latim_jax.MambaLM(cfg, init_params(cfg, 0))
 tokens = np.random.default_rng(0).integers(0, 50000, (1, L))
-mesh = jax.make_mesh((1, model_axis), ("data", "model"))
+mesh = latim_jax.sharding.check_mesh(jax.make_mesh((1, model_axis), ("data", "model")))  # Auto axes
 latim_jax.shard(model, mesh)
 per_device = {}
 for x in jax.tree.leaves(model.params()):
@@ -108,7 +108,7 @@ seconds = time.perf_counter() - t0
 from latim_jax.sharding import Runtime, put, P
 h = put(np.zeros((1, L, cfg.d_model), np.float32), mesh, P())
 rows = put(np.asarray([L - 1], np.int32), mesh, P())
-runtime = Runtime(impl="xla", mesh=latim_jax.sharding.check_mesh(mesh))
+runtime = Runtime(impl="xla", mesh=mesh)
 lowered = _layer_attribution.lower(model.layers[n_layers - 1], h, None, rows, None, method="l2",
                                    mode="exact", impl=runtime, blocks=None, aggregation="minmax",
                                    with_alti=False, with_next=True)
