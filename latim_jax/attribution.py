@@ -299,7 +299,7 @@ def attribute(
                 out["alti"] = out["alti"][..., :true_L, :true_L]
             _check_finite(s, method, layer)
             if top_k is not None:
-                s, sources = _top_k(s, top_k, row_idx, keep(mask))
+                s, sources = _top_k(s, top_k, row_idx, None if mask is None else keep(mask)[:, :true_L])
                 out["sources"] = sources
             s = s.astype(out_dtype)
             if sink is not None:
