@@ -219,6 +219,8 @@ def attribute(
     user_mask = mask
     length = None
     if bucket:
+        if tokens is not None and inputs_embeds is None:
+            tokens = model.check_tokens(tokens)  # before padding: errors name the caller's ids
         tokens, mask, inputs_embeds, length = pad_to_bucket(tokens, mask, inputs_embeds)
     x = model.prepare_inputs(tokens, mask, inputs_embeds, mesh=mesh)
     runtime = impl if mesh is None else Runtime(impl=impl, mesh=x.mesh)
@@ -246,7 +248,9 @@ def attribute(
             model, x.batch, L, limit=limit, method=method, rows=n_rows, layers=n_layers, top_k=top_k,
             out_dtype=out_dtype, stream=stream_to is not None, blocks=blocks,
         )  # fmt: skip
-    targets = _targets(target, x.batch, L, model.config.vocab_size)
+    targets = _targets(target, x.batch, true_L, model.config.vocab_size)
+    if targets is not None and L > true_L:  # bucket padding: any id at the (masked) extra positions
+        targets = jnp.pad(targets, ((0, 0), (0, L - true_L)))
     if targets is not None and mesh is not None:
         size = runtime.axis_size(DATA)
         targets = put(pad_batch(targets, size), x.mesh, P(DATA if size > 1 else None))
@@ -295,7 +299,7 @@ def attribute(
                 out["alti"] = out["alti"][..., :true_L, :true_L]
             _check_finite(s, method, layer)
             if top_k is not None:
-                s, sources = _top_k(s, top_k, row_idx, keep(mask))
+                s, sources = _top_k(s, top_k, row_idx, None if mask is None else keep(mask)[:, :true_L])
                 out["sources"] = sources
             s = s.astype(out_dtype)
             if sink is not None:

@@ -194,27 +194,32 @@ def value_scan(mixer, inter, v, impl):
     return y.reshape(b, l, e)
 
 
-def channel_attention(f: LayerFactors, rows, cols, *, with_D=True):
-    """M_{i,t} per value channel for i in rows, t in cols: (b, r, q, e)."""
-    M = hidden_attention_block(f.version, f.A, f.D, f.delta, f.B, f.C, f.decay, rows, cols, with_D=with_D)
-    if f.version == 2:  # per head -> its head_dim channels
-        M = jnp.repeat(M, f.G.shape[-1] // f.heads, axis=-1)
-    return M
+def with_padded_sources(f: LayerFactors, width: int) -> LayerFactors:
+    """``f`` with the tap values ``a`` zero-padded by ``width`` sources past the end, once, so that every
+    block of ``width`` source columns slices them without padding the whole array per block."""
+    if f.a.shape[2] >= f.length + width:
+        return f
+    return dataclasses.replace(f, a=jnp.pad(f.a, ((0, 0), (0, 0), (0, width), (0, 0))))
 
 
 def pair_values(f: LayerFactors, rows, j0: int | jax.Array, width: int):
     """V_{i,j} = G_i * sum_k M_{i,j+k} a_k[j] for i in rows, j in [j0, j0 + width): (b, r, width, e).
 
-    T_i(x_j) = V_{i,j} @ W_out. Sources past the end give zeros.
+    T_i(x_j) = V_{i,j} @ W_out. Sources past the end give zeros. Mamba-2's M stays per head and is
+    broadcast over each head's p channels (never repeated into an (.., e) copy).
     """
-    K = f.a.shape[0]
+    K, b, _, e = f.a.shape
     cols = j0 + jnp.arange(width + K - 1)
-    M = channel_attention(f, rows, cols)  # (b, r, width + K - 1, e)
-    length = f.length
-    a = jnp.pad(f.a, ((0, 0), (0, 0), (0, width), (0, 0)))
-    a = jax.lax.dynamic_slice_in_dim(a, j0, width, axis=2)  # (K, b, width, e)
-    acc = sum(M[:, :, k : k + width] * a[k][:, None] for k in range(K))
-    src_ok = (j0 + jnp.arange(width)) < length
+    M = hidden_attention_block(f.version, f.A, f.D, f.delta, f.B, f.C, f.decay, rows, cols)  # (b, r, q, c)
+    a = jax.lax.dynamic_slice_in_dim(with_padded_sources(f, width).a, j0, width, axis=2)  # (K, b, width, e)
+    if f.version == 2:
+        h = f.heads
+        a = a.reshape(K, b, width, h, e // h)
+        acc = sum(M[:, :, k : k + width, :, None] * a[k][:, None] for k in range(K))  # (b, r, width, h, p)
+        acc = acc.reshape(*acc.shape[:3], e)
+    else:
+        acc = sum(M[:, :, k : k + width] * a[k][:, None] for k in range(K))
+    src_ok = (j0 + jnp.arange(width)) < f.length
     return f.G[:, rows][:, :, None] * acc * src_ok[None, None, :, None]
 
 

@@ -71,6 +71,19 @@ def task_accuracy(model, batch) -> float:
     return float((pred[rows] == batch.targets[rows]).mean())
 
 
+def _method_entry(entry) -> tuple:
+    """(column name, method, mode, options) from a 3- or 4-tuple (options default to none)."""
+    if not isinstance(entry, (tuple, list)) or len(entry) not in (3, 4):
+        raise ValueError(
+            f"each methods entry must be (column name, method, mode[, options dict]), found {entry!r}"
+        )
+    name, method, mode, *rest = entry
+    options = rest[0] if rest else {}
+    if not isinstance(options, dict):
+        raise ValueError(f"the options of methods entry {name!r} must be a dict, found {options!r}")
+    return name, method, mode, options
+
+
 def evaluate(
     model,
     task: dict | None = None,
@@ -83,6 +96,10 @@ def evaluate(
     gold: str = "key",
 ) -> dict:
     """Metrics of every method (per layer, best layer, aggregate) plus a random baseline.
+
+    ``methods``: entries (column name, method, mode) or (column name, method, mode, options), the
+    options a dict of keyword arguments for :func:`latim_jax.attribute` (e.g. ``{"aggregation":
+    "abs"}``); the default is :data:`METHODS`.
 
     ``gold`` (MQAR only): "key" ranks the queried key's earlier position (the task's gold), "value"
     the position of the answer token itself (key + 1, :func:`latim_jax.tasks.value_sources`). Copy has
@@ -107,6 +124,7 @@ def evaluate(
     batch = held_out(task, n_sequences, seed)
     gold_pos = tasks.value_sources(batch.gold) if gold == "value" else batch.gold
     n_layers = model.config.n_layers
+    methods = [_method_entry(m) for m in methods]
     maps = {name: {"layers": [[] for _ in range(n_layers)], "aggregate": []} for name, *_ in methods}
     approx = []  # per batch: (n_layers,) paper-mode E summed over the batch's real tokens
     real = np.arange(batch.tokens.shape[1])[None, :] < batch.lengths[:, None]  # right padding

@@ -27,4 +27,10 @@ def jit_model_fn(fn=None, *, static_argnames=()):
         graphdef, state = nnx.split(model)
         return pure(graphdef, state, *args, **kwargs)
 
+    def lower(model, *args, **kwargs):
+        """``jax.jit(...).lower`` of the call (for compiled memory analysis in benchmarks)."""
+        graphdef, state = nnx.split(model)
+        return pure.lower(graphdef, state, *args, **kwargs)
+
+    wrapper.lower = lower
     return wrapper

@@ -156,22 +156,27 @@ class Attribution:
                 meta = json.loads(bytes(z["meta"]).decode())
                 if meta.get("format") != FORMAT:
                     raise KeyError(f"format {meta.get('format')!r}")
-                extra = {k: jnp.asarray(z[f"extra__{k}"]) for k in meta["extra_keys"]}
-                return cls(
-                    scores=jnp.asarray(z["scores"]),
-                    tokens=jnp.asarray(z["tokens"]) if meta.get("has_tokens", True) else None,
-                    mask=jnp.asarray(z["mask"]) if meta.get("has_mask", False) else None,
-                    aggregation=meta.get("aggregation"),
-                    top_k=meta.get("top_k"),
-                    extra=extra,
-                    method=meta["method"],
-                    mode=meta["mode"],
-                    layers=tuple(meta["layers"]),
-                    rows=None if meta["rows"] is None else tuple(meta["rows"]),
-                    model=meta["model"],
-                )
+                arrays = {k: z[k] for k in z.files if k not in ("meta", "scores")}
+                return cls.from_parts(meta, jnp.asarray(z["scores"]), arrays)
         except (KeyError, OSError, EOFError, ValueError, json.JSONDecodeError) as err:
             raise ValueError(f"{path}: cannot read a latim-jax attribution file ({err})") from err
+
+    @classmethod
+    def from_parts(cls, meta: dict, scores, arrays: dict) -> Attribution:
+        """Rebuild from :meth:`meta`, the scores and :meth:`arrays` (tokens, mask, ``extra__*``)."""
+        return cls(
+            scores=scores,
+            tokens=jnp.asarray(arrays["tokens"]) if "tokens" in arrays else None,
+            mask=jnp.asarray(arrays["mask"]) if "mask" in arrays else None,
+            extra={k: jnp.asarray(arrays[f"extra__{k}"]) for k in meta["extra_keys"]},
+            method=meta["method"],
+            mode=meta["mode"],
+            layers=tuple(meta["layers"]),
+            rows=None if meta["rows"] is None else tuple(meta["rows"]),
+            model=meta["model"],
+            aggregation=meta.get("aggregation"),
+            top_k=meta.get("top_k"),
+        )
 
 
 def write_npz_atomic(path, arrays: dict) -> None:

@@ -61,8 +61,6 @@ class StreamWriter:
 def load_streamed(path):
     """An :class:`~latim_jax.results.Attribution` from a directory written by ``stream_to``; its scores
     are a read-only memmap."""
-    import jax.numpy as jnp
-
     from latim_jax.results import Attribution
 
     path = Path(path)
@@ -70,20 +68,6 @@ def load_streamed(path):
         meta = json.loads((path / META).read_text())
         scores = np.load(path / SCORES, mmap_mode="r")
         with np.load(path / ARRAYS, allow_pickle=False) as z:
-            arrays = {k: jnp.asarray(z[k]) for k in z.files}
+            return Attribution.from_parts(meta, scores, {k: z[k] for k in z.files})
     except (OSError, ValueError, KeyError) as err:
         raise ValueError(f"{path}: cannot read a streamed latim-jax attribution ({err})") from err
-    extra = {k.split("__", 1)[1]: v for k, v in arrays.items() if k.startswith("extra__")}
-    return Attribution(
-        scores=scores,
-        tokens=arrays.get("tokens"),
-        mask=arrays.get("mask"),
-        extra=extra,
-        method=meta["method"],
-        mode=meta["mode"],
-        layers=tuple(meta["layers"]),
-        rows=None if meta["rows"] is None else tuple(meta["rows"]),
-        model=meta["model"],
-        aggregation=meta.get("aggregation"),
-        top_k=meta.get("top_k"),
-    )

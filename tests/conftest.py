@@ -131,3 +131,13 @@ def directional_fd(fn, args, *, eps=1e-3, seed=0):
         return float(fn(*moved))
 
     return analytic, (shifted(1.0) - shifted(-1.0)) / (2 * eps)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Free jax's compiled programs after each test module: one long pytest process otherwise keeps every
+    module's executables (several GB over the whole suite)."""
+    yield
+    import jax
+
+    jax.clear_caches()

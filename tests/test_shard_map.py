@@ -41,7 +41,7 @@ SCRIPT = textwrap.dedent(
     from latim_jax.init import init_params
     cfg = latim_jax.MambaConfig(version=1, d_model=16, n_layers=2, vocab_size=32, d_state=4)
     model = latim_jax.MambaLM(cfg, init_params(cfg, 0))
-    toks = jnp.asarray(rng.integers(0, 32, (4, 7)))
+    toks = jax.device_put(jnp.asarray(rng.integers(0, 32, (4, 7))), NamedSharding(mesh, P("b")))
     from latim_jax.kernels.dispatch import use_pallas
     assert use_pallas("pallas") and not use_pallas("auto")  # CPU: "auto" would be XLA
     for method in ("l2", "alti"):  # the selective-scan kernel and the fused score kernel (interpret mode)
@@ -50,7 +50,7 @@ SCRIPT = textwrap.dedent(
                           mesh=mesh, in_specs=P("b"), out_specs=P("b"), check_vma=False)
         jaxpr = str(jax.make_jaxpr(g)(toks))
         assert "pallas_call" in jaxpr and "shard_map" in jaxpr
-        got = jax.jit(g)(jax.device_put(toks, NamedSharding(mesh, P("b"))))
+        got = jax.jit(g)(toks)
         err = float(jnp.abs(got - ref).max() / jnp.abs(ref).max())
         assert err < 2e-5, (method, err)
     print("OK")
