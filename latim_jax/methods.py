@@ -24,8 +24,8 @@ def select(names=None, methods=METHODS) -> tuple:
 
 def run(model, tokens, row, **kwargs):
     """``latim_jax.attribute`` for one method row (its options, e.g. ``aggregation``, passed on), at the
-    tokens' own length (``bucket=False``: the evaluations use one fixed length per call, and an explicit
-    ``target`` must have the tokens' shape) and without progress bars (many calls)."""
+    tokens' own length (``bucket=False``: each evaluation uses one fixed length per call, so a bucket
+    would only add padded work) and without progress bars (many calls)."""
     import latim_jax
 
     _, method, mode, options = row
