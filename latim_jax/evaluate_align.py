@@ -17,7 +17,7 @@ from latim_jax import align, tasks
 from latim_jax.evaluate import METHODS
 from latim_jax.methods import layer_aggregate, run
 
-# the paper's IWSLT17 de-en AER ranges (latim-math.md section 7 and the issue): method -> text
+# the paper's IWSLT17 de-en AER ranges (docs/method.md section 11): method -> text
 PAPER_AER = {
     "LaTIM l2": "0.44-0.52",
     "LaTIM logit": "0.63-0.69 (ALTI-logit)",
