@@ -93,7 +93,8 @@ def test_readme_vocabulary_table_matches_the_shipped_models(name):
     row = next(line for line in (ROOT / "README.md").read_text().splitlines() if f"`{name}`" in line)
     cell = row.strip().strip("|").split("|")[2]
     parts = re.split(r"(?:^|,)\s*(\d+)(?:-(\d+))? = ", cell)[1:]
-    ranges = [(int(a), int(b or a), re.findall(r"`([^`]+)`", text)) for a, b, text in zip(*[iter(parts)] * 3)]
+    triples = [parts[k : k + 3] for k in range(0, len(parts), 3)]
+    ranges = [(int(a), int(b or a), re.findall(r"`([^`]+)`", text)) for a, b, text in triples]
     assert [r[0] for r in ranges] == [0] + [r[1] + 1 for r in ranges[:-1]], (ranges, row)
     assert ranges[-1][1] == len(words) - 1, (ranges[-1], len(words))
     for a, b, quoted in ranges:
