@@ -208,8 +208,9 @@ def format_table(report: dict) -> str:
     lines += [
         "",
         "AUC: per-row Mann-Whitney AUC of the gold source among candidates j <= i, averaged over rows; "
-        "pooled AUC: over all rows' candidates together. Aggregate: rollout for alti/hidden attention/logit, "
-        "sum of row-normalised maps for l2/grad x input (docs/method.md section 10). "
+        "pooled AUC: over all rows' candidates together. Aggregate: rollout for alti/logit/hidden attention "
+        "(minmax, abs), sum of row-normalised maps for l2/grad x input, plain sum for signed hidden "
+        "attention (docs/method.md section 10). "
         "Paper AUC: docs/method.md section 11 (copy only).",
     ]
     if report.get("approximation_error"):
