@@ -38,7 +38,12 @@ def main(argv=None) -> int:
     parser.add_argument("--force", action="store_true", help="replace existing --markdown/--out files")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
-    progress.set_quiet(args.quiet)
+    with progress.quiet(args.quiet):  # reset afterwards: tests and notebooks call main() in-process
+        return _run(args)
+
+
+def _run(args) -> int:
+    """The script's work on parsed arguments; returns the exit code."""
     try:
         check_outputs({"--markdown": args.markdown, "--out": args.out}, args.force)
         models = {}

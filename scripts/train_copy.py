@@ -26,7 +26,12 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=positive_int, default=None, help="override the config's steps")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
-    progress.set_quiet(args.quiet)
+    with progress.quiet(args.quiet):  # reset afterwards: tests and notebooks call main() in-process
+        return _run(args)
+
+
+def _run(args) -> int:
+    """The script's work on parsed arguments; returns the exit code."""
     if not Path(args.config).is_file():
         print(f"error: no such config file {args.config!r}", file=sys.stderr)
         return EXIT_USAGE

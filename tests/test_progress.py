@@ -5,12 +5,22 @@ from __future__ import annotations
 import io
 import sys
 
+import pytest
+
 from latim_jax import progress
 
 
 class FakeTerminal(io.StringIO):
     def isatty(self):
         return True
+
+
+@pytest.fixture(autouse=True)
+def not_quiet():
+    """Each test starts with the library's switch off, whatever ran before it in this process."""
+    progress.set_quiet(False)
+    yield
+    progress.set_quiet(False)
 
 
 def fake_terminal(monkeypatch) -> FakeTerminal:
