@@ -73,9 +73,10 @@ base = rss("VmRSS:")
 est = latim_jax.memory.estimate(model, 1, L, method="alti", rows=1)
 fn = lambda: latim_jax.attribute(model, tokens, method="alti", rows=[-1], memory_limit=None).scores
 first, median = timed(fn, repeats)
+peak = rss("VmHWM:") - base  # before the forward below, whose (L, vocab) logits would dominate it
 t0 = time.perf_counter(); jax.block_until_ready(model(tokens)); forward = time.perf_counter() - t0
 print(json.dumps({"experiment": "last-row", "version": version, "L": L, "first_s": first, "median_s": median,
-                  "forward_s": forward, "peak_rss_above_model": rss("VmHWM:") - base,
+                  "forward_s": forward, "peak_rss_above_model": peak,
                   "estimate_bytes": est.total - est.parameters}))
 """
 )
