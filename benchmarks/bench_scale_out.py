@@ -136,6 +136,60 @@ def child(script: str, *args) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def table(rows: list[dict]) -> str:
+    """Markdown tables of whichever experiments the rows hold."""
+    gib, lines = 1024**3, []
+    tp = [r for r in rows if r.get("experiment") == "throughput"]
+    if tp:
+        lines += [
+            "Throughput (130m-shaped, 24 layers, l2 full matrices, L = 128, one call per batch):",
+            "",
+            "| version | batch | s per call | prompts/s | peak GiB above the model |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| Mamba-{r['version']} | {r['batch']} | {r['median_s']:.2f} | {r['prompts_per_s']:.2f} "
+            f"| {r['peak_rss_above_model'] / gib:.2f} |"
+            for r in tp
+        ]
+        lines.append("")
+    lr = [r for r in rows if r.get("experiment") == "last-row"]
+    if lr:
+        lines += [
+            "Last-row attribution (rows=[-1], alti, all 24 layers of a 130m-shaped model):",
+            "",
+            "| version | L | s (median) | first call s | forward alone s | peak GiB above the model "
+            "| estimate GiB |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| Mamba-{r['version']} | {r['L']} | {r['median_s']:.1f} | {r['first_s']:.1f} "
+            f"| {r['forward_s']:.1f} | {r['peak_rss_above_model'] / gib:.2f} "
+            f"| {r['estimate_bytes'] / gib:.2f} |"
+            for r in lr
+        ]
+        lines.append("")
+    sh = [r for r in rows if r.get("experiment") == "sharded"]
+    if sh:
+        lines += [
+            "2.8b-shaped Mamba-1 (d 2560; 4 of its 64 layers built) over simulated CPU devices, "
+            "l2 of the last row of one layer, L = 512:",
+            "",
+            "| model axis | parameter GiB per device | layer program per device: arguments / temporaries GiB "
+            "| one-device estimate GiB |",
+            "|---|---|---|---|",
+        ]
+        for r in sh:
+            p = r["layer_program_per_device"]
+            lines.append(
+                f"| {r['model_axis']} | {r['param_bytes_per_device_max'] / gib:.3f} "
+                f"| {p['argument'] / gib:.3f} / {p['temp'] / gib:.3f} "
+                f"| {r['estimate_one_device_bytes'] / gib:.2f} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     """Run the chosen experiments, print each result as it comes, write JSON."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -166,6 +220,7 @@ def main(argv=None) -> int:
     previous = json.loads(out.read_text())["rows"] if out.exists() else []
     keep = [r for r in previous if r.get("experiment") not in todo]
     out.write_text(json.dumps({"rows": keep + rows, "seconds": time.perf_counter() - start}, indent=2))
+    out.with_suffix(".md").write_text(table(keep + rows) + "\n")
     return 0
 
 

@@ -49,6 +49,11 @@ def order(path: Path) -> tuple:
 def section(path: Path) -> list[str]:
     """One result file: where it came from, then its tables."""
     data = json.loads(path.read_text())
+    kind = data.get("kind")
+    if kind not in ("vs_torch", "scaling"):  # gradients, scale-out: the markdown their script wrote
+        md = path.with_suffix(".md")
+        body = md.read_text().strip() if md.is_file() else "(no markdown beside it)"
+        return [f"## {path.name}", "", body, ""]
     m = data.get("machine", {})
     quick = data.get("settings", {}).get("quick")
     title = f"## {path.name}" + (" (quick validation: tiny shapes, not performance numbers)" if quick else "")
@@ -61,14 +66,11 @@ def section(path: Path) -> list[str]:
         "was shared and times are inflated).",
         "",
     ]
-    kind = data.get("kind")
     if kind == "vs_torch":
         data.setdefault("forward", [])
         lines.append(bench_vs_torch.tables(data))
     elif kind == "scaling":
         lines.append(bench_scaling.tables(data))
-    else:
-        lines.append(f"(unknown result kind {kind!r})\n")
     return lines
 
 
