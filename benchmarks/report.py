@@ -111,7 +111,10 @@ def build(results: Path, notes: Path, earlier: Path) -> str:
         "",
         COMMANDS,
     ]
-    out += machine_section([f for f in files if "quick" not in f.stem] or files)
+    described = [
+        f for f in files if "machine" in json.loads(f.read_text())
+    ]  # the bench_vs_torch/scaling runs
+    out += machine_section([f for f in described if "quick" not in f.stem] or described)
     if notes.is_file():
         out += ["## Notes", "", notes.read_text().strip(), ""]
     for f in files:
