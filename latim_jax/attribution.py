@@ -20,7 +20,7 @@ from latim_jax.inputs import check_layers, check_rows, is_traced, pad_to_bucket
 from latim_jax.jit import jit_model_fn
 from latim_jax.kernels.dispatch import check_impl
 from latim_jax.layers import f32
-from latim_jax.memory import HEAD_CHUNK, check_fits
+from latim_jax.memory import AUTO_MARGIN, HEAD_CHUNK, check_fits
 from latim_jax.memory import available as available_memory
 from latim_jax.model import block_forward
 from latim_jax.progress import progress as progress_bar
@@ -182,7 +182,8 @@ def attribute(
         computed in fp32 and rounded once: bf16 keeps ~3 significant digits).
       stream_to: a directory (new or empty): each layer's scores are written there as soon as they are
         computed (:mod:`latim_jax.stream`), and the result's scores are a read-only memmap of it.
-      memory_limit: "auto" (the free host or device memory), a number of bytes, or None (no check).
+      memory_limit: "auto" (the free host or device memory divided by ``memory.AUTO_MARGIN`` = 1.2, as
+        the estimate can fall ~10% short of the peak), a number of bytes, or None (no check).
         The call's peak is estimated first (:mod:`latim_jax.memory`) and a call that would not fit is
         refused with an error naming the options that do (rows=[-1], fewer layers, top_k, bf16
         output, streaming, a smaller batch).
@@ -241,7 +242,7 @@ def attribute(
         )
     whole = row_list is None and layer_list == tuple(range(n))
     if memory_limit is not None and not is_traced(x.h):
-        limit = available_memory() if memory_limit == "auto" else int(memory_limit)
+        limit = int(available_memory() / AUTO_MARGIN) if memory_limit == "auto" else int(memory_limit)
         n_rows = None if row_list is None else len(row_list)
         n_layers = None if layer_list == tuple(range(n)) else len(layer_list)
         check_fits(

@@ -120,6 +120,11 @@ def _leaves(model):
     return jax.tree.leaves(model.params())
 
 
+# memory_limit="auto" keeps this share of the free memory for what the estimate misses (measured: the
+# estimate is within about 10% of the peak, below it at L = 16384 on a 24-layer model)
+AUTO_MARGIN = 1.2
+
+
 def available() -> int:
     """Bytes this call can use: free device memory on an accelerator (``memory_stats``), else the
     host's MemAvailable (Linux) or, failing that, total RAM."""
