@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from latim_jax.tasks import Batch
+from latim_jax.tasks import Batch, _finish
 
 
 def needle_task(
@@ -107,11 +107,4 @@ def make_batch(task: dict, batch_size: int, rng: np.random.Generator) -> Batch:
         rows = np.asarray(query_rows(task))
         tokens[b, rows], tokens[b, rows + 1] = keys[asked], values[asked]
         gold[b, rows] = starts[asked]
-    targets = np.concatenate([tokens[:, 1:], tokens[:, -1:]], axis=1)
-    return Batch(
-        tokens=tokens,
-        targets=targets.astype(np.int32),
-        loss_mask=gold >= 0,
-        gold=gold,
-        lengths=np.full(batch_size, L, np.int32),
-    )
+    return _finish(tokens, gold, lengths=np.full(batch_size, L))
