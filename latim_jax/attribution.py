@@ -271,6 +271,7 @@ def attribute(
     shape = (x.batch, len(layer_list), len(row_idx), true_L if top_k is None else top_k)
     sink = StreamWriter(stream_to, shape, out_dtype) if stream_to is not None else None
     show = progress if progress is not None else (L >= 1024 and len(layer_list) > 1)
+    top_mask = None if top_k is None or mask is None else keep(mask)[:, :true_L]  # the caller's length
     done = {}  # layer -> (scores, extras), computed in increasing layer order
     with_alti = method == "logit" and whole
     h, at = x.h, 0  # the stream entering layer `at` (single pass)
@@ -300,7 +301,7 @@ def attribute(
                 out["alti"] = out["alti"][..., :true_L, :true_L]
             _check_finite(s, method, layer)
             if top_k is not None:
-                s, sources = _top_k(s, top_k, row_idx, None if mask is None else keep(mask)[:, :true_L])
+                s, sources = _top_k(s, top_k, row_idx, top_mask)
                 out["sources"] = sources
             s = s.astype(out_dtype)
             if sink is not None:
