@@ -164,6 +164,8 @@ def task_attribute(spec):
         if method == "hidden_attention" and spec.get("aggregation_supported"):
             kw["aggregation"] = spec["aggregation"]
         accepted = inspect.signature(latim_jax.attribute).parameters
+        if method == "logit" and "rollout_maps" in accepted:  # the logit scores, as torch computes them
+            kw["rollout_maps"] = False
         if "memory_limit" in accepted:  # measure what happens, not the library's estimate of it
             kw["memory_limit"] = None
         if spec.get("precision", "float32") != "float32":

@@ -146,6 +146,7 @@ def attribute(
     memory_limit="auto",
     progress: bool | None = None,
     hold_fixed: bool = False,
+    rollout_maps: bool | None = None,
     bucket: bool = True,
     precision: str = "float32",
 ) -> Attribution:
@@ -197,6 +198,11 @@ def attribute(
         dominant matrix product) with bf16 operands and fp32 accumulation - several times faster on
         hardware with bf16 matrix units; scores then carry ~1e-3 relative error (the factors, the
         hidden attention and every accumulation stay fp32; see the README for measured errors).
+      rollout_maps: "logit" only (other methods roll out their own maps and ignore it): also compute
+        every layer's ALTI maps (``extra["alti"]``, (B, n_layers, L, L)) in the same pass, which
+        :meth:`Attribution.rollout` needs for the logit input attribution. None (default): when every
+        layer and every row is asked; False: never (the logit scores alone cost a fraction of the
+        alti maps: no projection onto W_out); True: required, so a layer or row subset is refused.
       bucket: compute at the length rounded up to a bucket (:func:`latim_jax.inputs.bucket_length`),
         the extra positions masked as padding (exact by construction) and cut from the result, so
         prompts of nearby lengths share one compiled program (concrete inputs only).
@@ -241,6 +247,13 @@ def attribute(
             "stream_to needs concrete inputs, whole score matrices (not top_k) and float32 or float16"
         )
     whole = row_list is None and layer_list == tuple(range(n))
+    if rollout_maps is not None and not isinstance(rollout_maps, bool):
+        raise ValueError(f"rollout_maps must be None, True or False, found {rollout_maps!r}")
+    if rollout_maps and method == "logit" and not whole:
+        raise ValueError(
+            "rollout_maps=True needs every layer and every row (the logit rollout multiplies whole "
+            "ALTI maps): call attribute with layers=None, rows=None"
+        )
     if memory_limit is not None and not is_traced(x.h):
         limit = int(available_memory() / AUTO_MARGIN) if memory_limit == "auto" else int(memory_limit)
         n_rows = None if row_list is None else len(row_list)
@@ -273,7 +286,7 @@ def attribute(
     show = progress if progress is not None else (L >= 1024 and len(layer_list) > 1)
     top_mask = None if top_k is None or mask is None else keep(mask)[:, :true_L]  # the caller's length
     done = {}  # layer -> (scores, extras), computed in increasing layer order
-    with_alti = method == "logit" and whole
+    with_alti = method == "logit" and whole and rollout_maps is not False
     h, at = x.h, 0  # the stream entering layer `at` (single pass)
     try:
         for layer in progress_bar(sorted(set(layer_list)), desc=f"{method} layers", enabled=show):
@@ -318,7 +331,7 @@ def attribute(
             )
             extra["bias"] = jnp.stack([p["bias"] for p in per_layer], 1)
             extra["logit"] = _masked(logit[:, row_idx], rows_valid)
-            if whole:
+            if with_alti:
                 extra["alti"] = jnp.stack([p["alti"] for p in per_layer], 1)
         if mode == "paper" and method not in ("hidden_attention", "grad_input"):
             extra["approximation_error"] = jnp.stack([p["error"] for p in per_layer], 1)

@@ -81,6 +81,11 @@ class Attribution:
         L = self.scores.shape[-1]
         eye = jnp.eye(L, dtype=jnp.float32)
         if self.method == "logit":
+            if "alti" not in self.extra:
+                raise ValueError(
+                    "the logit rollout needs every layer's ALTI maps, which this result does not hold: "
+                    "call attribute(..., method='logit') without rollout_maps=False"
+                )
             mats = self.extra["alti"]
             R = jnp.broadcast_to(self._valid_eye(eye)[:, 0], mats[:, 0].shape)
             total = self.extra["direct"][..., None] * eye

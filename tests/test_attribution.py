@@ -70,6 +70,25 @@ def test_rollout_rows_and_logit_identity(name):
 
 
 @pytest.mark.parametrize("name", ["m1", "m2"])
+def test_logit_rollout_maps_option(name):
+    """rollout_maps=False skips the ALTI maps, not the logit scores; None computes the real alti maps."""
+    model = make(name)
+    t = tokens()
+    full = latim_jax.attribute(model, t, method="logit")
+    alone = latim_jax.attribute(model, t, method="logit", rollout_maps=False)
+    assert "alti" not in alone.extra
+    np.testing.assert_allclose(np.asarray(alone.scores), np.asarray(full.scores), rtol=1e-5, atol=1e-6)
+    alti = latim_jax.attribute(model, t, method="alti")
+    np.testing.assert_allclose(np.asarray(full.extra["alti"]), np.asarray(alti.scores), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="rollout_maps=False"):
+        alone.rollout()
+    with pytest.raises(ValueError, match="every layer and every row"):
+        latim_jax.attribute(model, t, method="logit", rows=[-1], rollout_maps=True)
+    with pytest.raises(ValueError, match="rollout_maps must be"):
+        latim_jax.attribute(model, t, method="logit", rollout_maps="no")
+
+
+@pytest.mark.parametrize("name", ["m1", "m2"])
 def test_hidden_attention_aggregations(name):
     from latim_jax.hidden_attention import full_hidden_attention
 
