@@ -369,3 +369,31 @@ def test_mamba1_factored_far_tiles_equal_the_direct_form():
             1, f.A, f.D, f.delta, f.B, f.C, f.decay, jnp.asarray(rows), jnp.asarray(cols)
         )
         assert rel(got, full[:, rows][:, :, cols]) < TOL["fp32"]
+
+
+def test_mamba1_far_pair_values_and_their_gradient_equal_the_near_form():
+    """Mamba-1 far tiles build sum_k M a_k from the factored decay without M
+    (decomposition._m1_far_values): equal to the full contribution tensor's entries, and the gradient
+    of blocked scores that use far tiles (4 x 4 blocks) equals the gradient through one whole block."""
+    from latim_jax.attribution import _layer_input
+    from latim_jax.decomposition import full_contributions, layer_factors, pair_values, with_padded_sources
+    from latim_jax.scores import layer_scores
+
+    model = make("m1", conv_bias=True)
+    t = jnp.asarray(tokens(length=24))
+    h, _ = _layer_input(model, t, 1, "xla")
+    f = layer_factors(model, h, 1)
+    T = np.asarray(full_contributions(f))
+    for rows, j0, width in ((np.arange(12, 20), 0, 8), (np.array([23, 15, 17]), 3, 8)):
+        assert j0 + width + model.config.d_conv - 2 < rows.min()  # a far tile
+        V = pair_values(with_padded_sources(f, width), jnp.asarray(rows), j0, width)
+        got = np.einsum("brje,ed->brjd", np.asarray(V), np.asarray(f.W_out))
+        assert rel(got, T[:, rows, j0 : j0 + width]) < TOL["fp32"]
+
+    def loss(h, blocks):
+        g = layer_factors(model, h, 1)
+        return jnp.sum(layer_scores(g, "l2", jnp.arange(24), blocks=blocks, impl="xla"))
+
+    tiled = jax.grad(loss)(h, Blocks(rows=4, cols=4))
+    whole = jax.grad(loss)(h, Blocks(rows=32, cols=32))
+    assert rel(tiled, whole) < 1e-4
