@@ -8,7 +8,9 @@ layer factors (latim_jax.decomposition.layer_factors: intermediates, tap values,
 blocked scores (latim_jax.scores.layer_scores), with the floor (benchmarks/floor.py) for scale.
 PyTorch (benchmarks/torch_baseline.py, fair): the hooked transformers forward, the layer values, the
 hidden attention M, the gate, the conv-corrected weights W, V = G * W, the projection T = W_out V,
-the score. One process for both (time only: the memory comparison is bench_vs_torch.py's). Internal
+the score. The blocked scores are also split into the pair values alone and the projection alone;
+latim-jax's stages report CPU seconds too (steadier than wall time on a shared machine).
+One process for both (time only: the memory comparison is bench_vs_torch.py's). Internal
 latim_jax functions are called directly, so this script follows the library's internals
 (decomposition.layer_factors, scores.layer_scores).
 """
@@ -29,15 +31,22 @@ import floor  # noqa: E402
 from shapes import shape as make_shape  # noqa: E402
 from shapes import transformers_config  # noqa: E402
 
+CPU: dict[str, float] = {}  # stage -> median process CPU seconds (all threads): steadier when shared
 
-def timeit(fn, runs, sync=lambda x: x):
-    """Median seconds of ``runs`` calls after one warm-up call; returns (median, last output)."""
+
+def timeit(fn, runs, sync=lambda x: x, name=None):
+    """Median seconds of ``runs`` calls after one warm-up call; returns (median, last output). With
+    ``name``, the median process CPU seconds go to CPU[name] (wall time inflates under load, CPU
+    time much less)."""
     out = sync(fn())
-    times = []
+    times, cpu = [], []
     for _ in range(runs):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = sync(fn())
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    if name:
+        CPU[name] = statistics.median(cpu)
     return statistics.median(times), out
 
 
@@ -46,27 +55,48 @@ def profile_jax(path, ids, method, mode, runs) -> dict:
     import jax.numpy as jnp
 
     import latim_jax
-    from latim_jax.decomposition import layer_factors
-    from latim_jax.scores import layer_scores
+    from latim_jax.decomposition import layer_factors, pair_values, with_padded_sources
+    from latim_jax.scores import Blocks, blocked, layer_scores, project, safe_norm
 
     model = latim_jax.load(path)
     tokens = jnp.asarray(ids)
     sync = jax.block_until_ready
     fwd = jax.jit(lambda t: model.forward(t).residuals)
-    t_fwd, res = timeit(lambda: fwd(tokens), runs, sync)
+    t_fwd, res = timeit(lambda: fwd(tokens), runs, sync, "forward_s")
     factors = jax.jit(lambda h: layer_factors(model, h, 0, mode))
-    t_fac, f = timeit(lambda: factors(res[0]), runs, sync)
-    rows = jnp.arange(ids.shape[1])
+    t_fac, f = timeit(lambda: factors(res[0]), runs, sync, "layer_factors_s")
+    L = ids.shape[1]
+    rows = jnp.arange(L)
     aux = None
     if method == "logit":  # any direction: the cost does not depend on it
-        aux = jnp.ones((ids.shape[0], ids.shape[1], f.W_out.shape[0]), jnp.float32)
+        aux = jnp.ones((ids.shape[0], L, f.W_out.shape[0]), jnp.float32)
     scores = jax.jit(lambda f: layer_scores(f, method, rows, aux=aux))
-    t_sc, _ = timeit(lambda: scores(f), runs, sync)
-    t_all, _ = timeit(lambda: latim_jax.attribute(model, tokens, method=method, mode=mode).scores, runs, sync)
+    t_sc, _ = timeit(lambda: scores(f), runs, sync, "scores_s")
+    # the blocked scores split: the pair values V (hidden attention, taps, gate; summed over e) alone,
+    # and the projection onto W_out + norm of a constant block alone, over the same causal blocks
+    blocks = Blocks.for_layer(f.version, L)
+    fp = with_padded_sources(f, blocks.cols)
+
+    def value_block(rb, j0):
+        return pair_values(fp, rb, j0, blocks.cols).sum(-1)
+
+    def projection_block(rb, j0, W):
+        return safe_norm(project(const * rb[0], W), -1)
+
+    values = jax.jit(lambda fp: blocked(value_block, rows, L, blocks))
+    t_val, _ = timeit(lambda: values(fp), runs, sync, "pair_values_only_s")
+    const = jnp.ones((ids.shape[0], blocks.rows, blocks.cols, f.W_out.shape[0]), jnp.float32)
+    proj = jax.jit(lambda W: blocked(lambda rb, j0: projection_block(rb, j0, W), rows, L, blocks))
+    t_proj, _ = timeit(lambda: proj(f.W_out), runs, sync, "projection_only_s")
+    t_all, _ = timeit(
+        lambda: latim_jax.attribute(model, tokens, method=method, mode=mode).scores, runs, sync, "attribute_s"
+    )
     return {
         "forward_s": t_fwd,
         "layer_factors_s": t_fac,
         "scores_s": t_sc,
+        "pair_values_only_s": t_val,
+        "projection_only_s": t_proj,
         "attribute_s": t_all,
     }
 
@@ -158,9 +188,11 @@ def main(argv=None) -> None:
             result["torch-fair"] = profile_torch(tmp, ids, args.method, args.mode, args.runs)
     w = floor.work(s, args.method, args.length)
     result["floor"] = {"flops": 2 * w["macs"], "exps": w["exps"], "bytes": w["bytes"]}
+    result["latim-jax-cpu"] = dict(CPU)
     for impl in ("latim-jax", "torch-fair"):
         for k, v in result.get(impl, {}).items():
-            print(f"{impl:10s} {k:28s} {v:.4g} s")
+            cpu = f"  ({CPU[k]:.4g} CPU s)" if impl == "latim-jax" and k in CPU else ""
+            print(f"{impl:10s} {k:28s} {v:.4g} s{cpu}")
     print(json.dumps(result))
 
 
