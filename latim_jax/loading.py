@@ -15,7 +15,7 @@ from latim_jax.model import MambaLM
 ASSETS = Path(__file__).parent / "assets"
 SHIPPED = (
     "copy-mamba1", "copy-mamba2", "mqar-mamba1", "mqar-mamba2", "align-mamba1", "align-mamba2",
-    "needle-mamba2",
+    "needle-mamba1", "needle-mamba2",
 )  # fmt: skip
 DEFAULT_MODEL = "copy-mamba2"
 
