@@ -22,7 +22,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from latim_jax.hidden_attention import Decay, compensated_cumsum, hidden_attention_block, segment_sum
+from latim_jax.hidden_attention import Decay, compensated_cumsum, hidden_attention_block
 from latim_jax.kernels import dispatch
 from latim_jax.layers import activation, activation_gate, causal_conv, f32, linear
 
@@ -210,48 +210,17 @@ def pair_values(f: LayerFactors, rows, j0: int | jax.Array, width: int):
     """
     K, b, _, e = f.a.shape
     cols = j0 + jnp.arange(width + K - 1)
+    M = hidden_attention_block(f.version, f.A, f.D, f.delta, f.B, f.C, f.decay, rows, cols)  # (b, r, q, c)
     a = jax.lax.dynamic_slice_in_dim(with_padded_sources(f, width).a, j0, width, axis=2)  # (K, b, width, e)
     if f.version == 2:
-        M = hidden_attention_block(f.version, f.A, f.D, f.delta, f.B, f.C, f.decay, rows, cols)  # (b,r,q,h)
         h = f.heads
         a = a.reshape(K, b, width, h, e // h)
         acc = sum(M[:, :, k : k + width, :, None] * a[k][:, None] for k in range(K))  # (b, r, width, h, p)
         acc = acc.reshape(*acc.shape[:3], e)
-    else:  # every source strictly before every target (no D term): the decay factors through the block
-        far = j0 + width + K - 2 < jnp.min(rows)
-        acc = jax.lax.cond(far, _m1_far_values, _m1_near_values, f, rows, cols, a)
+    else:
+        acc = sum(M[:, :, k : k + width] * a[k][:, None] for k in range(K))
     src_ok = (j0 + jnp.arange(width)) < f.length
     return f.G[:, rows][:, :, None] * acc * src_ok[None, None, :, None]
-
-
-def _m1_near_values(f: LayerFactors, rows, cols, a):
-    """Mamba-1 sum_k M_{i,j+k} a_k[j] from the hidden-attention block M (b, r, q + K - 1, e)."""
-    K, width = a.shape[0], a.shape[2]
-    M = hidden_attention_block(f.version, f.A, f.D, f.delta, f.B, f.C, f.decay, rows, cols)
-    return sum(M[:, :, k : k + width] * a[k][:, None] for k in range(K))
-
-
-def _m1_far_values(f: LayerFactors, rows, cols, a):
-    """The same sum when every source j + k precedes every target (max col < r = min row), without
-    building M: with exp(A (S_i - S_t)) = exp(A (S_i - S_r)) exp(A (S_r - S_t)) (both factors <= 1),
-
-        sum_k M_{i,j+k}[e] a_k[j, e] = sum_n P[i, e, n] Q[j, e, n],   P = C_i[n] exp(A[e, n] (S_i - S_r)),
-        Q[j, e, n] = sum_k B_{j+k}[n] Delta_{j+k}[e] exp(A[e, n] (S_r - S_{j+k})) a_k[j, e]
-
-    so the taps act on the O(q e n) factor Q, and the (r, q, e) block is one pass of n products."""
-    K, width = a.shape[0], a.shape[2]
-    ref = jnp.min(rows)[None]
-    to_i = segment_sum(f.decay, rows, ref)[:, :, 0]  # (b, r, e): S_i - S_r >= 0
-    from_t = segment_sum(f.decay, ref, cols)[:, 0]  # (b, q + K - 1, e): S_r - S_t >= 0
-    dt_t = f.delta[:, cols].astype(f32)  # cols < r <= l - 1 here: no clamping needed
-    C, B, A = f.C[:, rows].astype(f32), f.B[:, cols].astype(f32), f.A
-    acc = 0.0
-    for q in range(A.shape[1]):  # n is small (16): one fused (r, q, e) pass
-        P = C[:, :, q, None] * jnp.exp(A[:, q] * to_i)  # (b, r, e)
-        Qt = B[:, :, q, None] * dt_t * jnp.exp(A[:, q] * from_t)  # (b, q + K - 1, e)
-        Q = sum(Qt[:, k : k + width] * a[k] for k in range(K))  # (b, width, e)
-        acc = acc + P[:, :, None] * Q[:, None]
-    return acc
 
 
 def full_contributions(f: LayerFactors):
