@@ -119,40 +119,54 @@ def _alti_raw(f: LayerFactors, T, rows, j0, width):
 def blocked(fn, rows, length, blocks: Blocks, out_tail=()):
     """Evaluate fn(rows_block, j0) -> (b, block_rows, block_cols, *out_tail) over all causal blocks.
 
-    Returns (b, len(rows), length, *out_tail); blocks above the diagonal are not computed. Each block
-    is rematerialised under differentiation (jax.checkpoint): the backward pass recomputes a block's
-    intermediates instead of saving every block's, so a gradient holds O(output + one block), like
-    the forward.
+    Returns (b, len(rows), length, *out_tail); blocks above the diagonal are not computed. One flat
+    loop over (row block, column block) pairs, each rematerialised under differentiation
+    (jax.checkpoint): the backward pass recomputes a block's intermediates instead of saving every
+    block's, so a gradient holds O(output + one block), like the forward. Flat rather than nested
+    (rows outer, columns inner): the cotangents of the closed-over factors are then accumulated at
+    one loop level, not two (a nested loop kept both levels' full-size accumulators alive: compiled
+    temporaries of one 130m Mamba-1 layer's gradient at L = 4096, 1.08 -> 0.89 GiB).
     """
     n_cb = -(-length // blocks.cols)
+    r = rows.shape[0]
+    n_rb = -(-r // blocks.rows)
+    rows_p = padded_row_blocks(rows, blocks)  # (n_rb, br)
 
-    def row_block(rb):
-        rmax = jnp.max(rb)
+    @jax.checkpoint  # around the cond: a checkpoint inside a cond's branch is not honoured
+    def pair(args):
+        ri, j0 = args
+        rb = rows_p[ri]
 
-        @jax.checkpoint  # around the cond: a checkpoint inside a cond's branch is not honoured
-        def col_block(j0):
-            def compute(_):
-                return fn(rb, j0)
+        def compute(_):
+            return fn(rb, j0)
 
-            shape = jax.eval_shape(compute, None)
-            return jax.lax.cond(j0 <= rmax, compute, lambda _: jnp.zeros(shape.shape, shape.dtype), None)
+        shape = jax.eval_shape(compute, None)
+        return jax.lax.cond(j0 <= jnp.max(rb), compute, lambda _: jnp.zeros(shape.shape, shape.dtype), None)
 
-        out = jax.lax.map(col_block, jnp.arange(n_cb) * blocks.cols)  # (n_cb, b, br, bc, ...)
-        out = jnp.moveaxis(out, 0, 2)  # (b, br, n_cb, bc, ...)
-        return out.reshape(out.shape[0], out.shape[1], n_cb * blocks.cols, *out_tail)
+    ri = jnp.repeat(jnp.arange(n_rb), n_cb)
+    j0 = jnp.tile(jnp.arange(n_cb) * blocks.cols, n_rb)
+    out = jax.lax.map(pair, (ri, j0))  # (n_rb * n_cb, b, br, bc, ...)
+    out = out.reshape(n_rb, n_cb, *out.shape[1:])
+    out = jnp.moveaxis(out, 2, 0)  # (b, n_rb, n_cb, br, bc, ...)
+    out = jnp.swapaxes(out, 2, 3).reshape(out.shape[0], n_rb * blocks.rows, n_cb * blocks.cols, *out_tail)
+    return out[:, :r, :length]
 
-    return map_row_blocks(row_block, rows, blocks)[:, :, :length]
+
+def padded_row_blocks(rows, blocks: Blocks):
+    """``rows`` (r,) as (n_rb, block_rows), the last block padded by repeating its final row."""
+    r = rows.shape[0]
+    n_rb = -(-r // blocks.rows)
+    rows_p = jnp.concatenate([rows, jnp.full((n_rb * blocks.rows - r,), rows[-1], rows.dtype)])
+    return rows_p.reshape(n_rb, blocks.rows)
 
 
 def map_row_blocks(row_fn, rows, blocks: Blocks):
     """row_fn(rows_block) -> (b, block_rows, ...) over ``rows`` in blocks of ``blocks.rows`` (the last
     block padded by repeating its final row); returns (b, len(rows), ...)."""
-    r = rows.shape[0]
-    n_rb = -(-r // blocks.rows)
-    rows_p = jnp.concatenate([rows, jnp.full((n_rb * blocks.rows - r,), rows[-1], rows.dtype)])
-    res = jax.lax.map(row_fn, rows_p.reshape(n_rb, blocks.rows))  # (n_rb, b, br, ...)
+    rows_p = padded_row_blocks(rows, blocks)
+    res = jax.lax.map(row_fn, rows_p)  # (n_rb, b, br, ...)
     res = jnp.moveaxis(res, 0, 1)
-    return res.reshape(res.shape[0], n_rb * blocks.rows, *res.shape[3:])[:, :r]
+    return res.reshape(res.shape[0], -1, *res.shape[3:])[:, : rows.shape[0]]
 
 
 def layer_scores(
