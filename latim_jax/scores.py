@@ -128,9 +128,8 @@ def blocked(fn, rows, length, blocks: Blocks, out_tail=()):
     temporaries of one 130m Mamba-1 layer's gradient at L = 4096, 1.08 -> 0.89 GiB).
     """
     n_cb = -(-length // blocks.cols)
-    r = rows.shape[0]
-    n_rb = -(-r // blocks.rows)
     rows_p = padded_row_blocks(rows, blocks)  # (n_rb, br)
+    n_rb = rows_p.shape[0]
 
     @jax.checkpoint  # around the cond: a checkpoint inside a cond's branch is not honoured
     def pair(args):
@@ -149,7 +148,7 @@ def blocked(fn, rows, length, blocks: Blocks, out_tail=()):
     out = out.reshape(n_rb, n_cb, *out.shape[1:])
     out = jnp.moveaxis(out, 2, 0)  # (b, n_rb, n_cb, br, bc, ...)
     out = jnp.swapaxes(out, 2, 3).reshape(out.shape[0], n_rb * blocks.rows, n_cb * blocks.cols, *out_tail)
-    return out[:, :r, :length]
+    return out[:, : rows.shape[0], :length]
 
 
 def padded_row_blocks(rows, blocks: Blocks):
