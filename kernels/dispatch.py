@@ -26,7 +26,7 @@ from latim_jax.kernels.selective_scan import (
     selective_scan_reference,
     selective_scan_step_reference,
 )
-from latim_jax.kernels.ssd import ssd_pallas, ssd_reference, ssd_step_reference
+from latim_jax.kernels.ssd import XLA_CHUNK, ssd_pallas, ssd_reference, ssd_step_reference
 
 IMPLS = ("auto", "xla", "pallas")
 
@@ -81,8 +81,8 @@ def selective_scan(u, delta, A, B, C, D, initial_state=None, *, impl="auto", blo
 
 def ssd(x, dt, A, B, C, D, chunk_size=64, initial_state=None, *, impl="auto", block_sizes=None):
     """Mamba-2 chunked SSD -> (y (b, l, h, p), final_state (b, h, p, n)). See kernels/ssd.py."""
-    if not use_pallas(impl):
-        return ssd_reference(x, dt, A, B, C, D, chunk_size, initial_state)
+    if not use_pallas(impl):  # the chunk length changes only rounding: the XLA path takes its fastest
+        return ssd_reference(x, dt, A, B, C, D, min(chunk_size, XLA_CHUNK), initial_state)
     kernel = functools.partial(ssd_pallas, chunk_size=chunk_size, block_sizes=block_sizes)
     mesh, data, model = _mesh_axes(impl, x.shape[0], x.shape[2])
     if mesh is None:

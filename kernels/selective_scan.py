@@ -233,49 +233,48 @@ def selective_scan_pallas(
 # --------------------------------------------------------------------------------------------------
 
 
-SCAN_CHUNK = 64  # time steps per chunk of the reference scan
+SCAN_CHUNK = 128  # time steps per chunk of the reference scan
 
 
 def selective_scan_reference(u, delta, A, B, C, D, initial_state=None, *, chunk: int = SCAN_CHUNK):
     """Pure-jnp selective scan. Returns (y (b, l, e), final_state (b, e, n)).
 
-    Chunked so that memory stays O(chunk * e * n) per prompt, forward and backward: a lax.scan over
-    chunks of ``chunk`` steps carries the state (b, e, n); inside a chunk an associative scan over
-    (b, chunk, e, n). Each chunk is rematerialised under differentiation (jax.checkpoint), so the
-    backward keeps one state per chunk, never the (b, l, e, n) states. Padding past l has delta = 0
-    (decay 1, no input), which leaves the state unchanged.
+    A lax.scan over chunks of ``chunk`` steps carries the state; inside a chunk a sequential lax.scan
+    over its steps updates the state laid out (b, n, e), so each step is one vectorised pass over the
+    e channels (on CPU 4-5x faster than an associative scan over (b, chunk, e, n), which moves
+    log2(chunk) copies of the states through memory: one 130m layer, L = 1024 and 4096). Each chunk
+    is rematerialised under differentiation (jax.checkpoint), so the backward keeps one state per
+    chunk plus one chunk's steps, never the (b, l, e, n) states. Padding past l has delta = 0 (decay
+    1, no input), which leaves the state unchanged.
     """
     u, delta, B, C = (x.astype(jnp.float32) for x in (u, delta, B, C))
     A, D = A.astype(jnp.float32), D.astype(jnp.float32)
     b, l, e = u.shape
+    At = A.T  # (n, e)
     q = min(chunk, l)
     pad = -l % q
 
-    def chunks(x):  # (b, l, ...) -> (l / q, b, q, ...), zero-padded
+    def chunks(x):  # (b, l, ...) -> (l / q, q, b, ...), zero-padded
         x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-        return jnp.swapaxes(x.reshape(b, -1, q, *x.shape[2:]), 0, 1)
+        return jnp.moveaxis(x.reshape(b, -1, q, *x.shape[2:]), (1, 2), (0, 1))
 
-    def combine(left, right):
-        a_l, b_l = left
-        a_r, b_r = right
-        return a_l * a_r, a_r * b_l + b_r
+    def one_step(h, xs):  # h (b, n, e)
+        u_t, d_t, B_t, C_t = xs  # (b, e), (b, e), (b, n), (b, n)
+        h = jnp.exp(d_t[:, None, :] * At) * h + (d_t * u_t)[:, None, :] * B_t[..., None]
+        return h, jnp.einsum("bne,bn->be", h, C_t)
 
     @jax.checkpoint
-    def step(h, xs):
-        u_c, d_c, B_c, C_c = xs  # (b, q, e), (b, q, e), (b, q, n), (b, q, n)
-        dA = jnp.exp(d_c[..., None] * A)  # (b, q, e, n)
-        dBu = (d_c * u_c)[..., None] * B_c[:, :, None, :]
-        dBu = dBu.at[:, 0].add(dA[:, 0] * h)
-        _, states = jax.lax.associative_scan(combine, (dA, dBu), axis=1)
-        return states[:, -1], jnp.einsum("bqen,bqn->bqe", states, C_c)
+    def one_chunk(h, xs):
+        return jax.lax.scan(one_step, h, xs)
 
     h0 = (
-        jnp.zeros((b, e, A.shape[1]), jnp.float32)
+        jnp.zeros((b, A.shape[1], e), jnp.float32)
         if initial_state is None
-        else initial_state.astype(jnp.float32)
+        else jnp.swapaxes(initial_state.astype(jnp.float32), 1, 2)
     )
-    final, ys = jax.lax.scan(step, h0, tuple(chunks(x) for x in (u, delta, B, C)))
-    y = jnp.swapaxes(ys, 0, 1).reshape(b, -1, e)[:, :l]
+    final, ys = jax.lax.scan(one_chunk, h0, tuple(chunks(x) for x in (u, delta, B, C)))
+    y = jnp.moveaxis(ys, (0, 1), (1, 2)).reshape(b, -1, e)[:, :l]
+    final = jnp.swapaxes(final, 1, 2)
     return y + D * u, final
 
 

@@ -313,53 +313,63 @@ def expand_groups(BC, n_heads):
     return jnp.repeat(BC, n_heads // BC.shape[2], axis=2)
 
 
+XLA_CHUNK = 128  # chunk length of the XLA path (dispatch.ssd): the fastest of 64/128/256 on CPU
+
+
 def ssd_reference(x, dt, A, B, C, D, chunk_size=64, initial_state=None):
-    """Pure-jnp chunked SSD. Returns (y (b, l, h, p), final_state (b, h, p, n))."""
+    """Pure-jnp chunked SSD. Returns (y (b, l, h, p), final_state (b, h, p, n)).
+
+    The result does not depend on ``chunk_size`` beyond rounding. Heads are kept as (g, r): group g's
+    r = h / g heads share its B and C, so C_i . B_j is formed once per group, and every product is a
+    batched matmul with its batch axes leading (b, c, g[, r]) and the chunk axis next to the
+    contraction, which XLA:CPU runs without transposing the operands.
+    """
     b, l, h, p = x.shape
-    x, dt, A, D = (t.astype(jnp.float32) for t in (x, dt, A, D))
-    B = expand_groups(B.astype(jnp.float32), h)
-    C = expand_groups(C.astype(jnp.float32), h)
+    g, n = B.shape[2], B.shape[3]
+    r = h // g
+    x, dt, A, D, B, C = (t.astype(jnp.float32) for t in (x, dt, A, D, B, C))
     q = min(chunk_size, l)
     pad = (-l) % q
     if pad:  # dt = 0 on padding: no decay, no input
         x, dt, B, C = (jnp.pad(t, [(0, 0), (0, pad)] + [(0, 0)] * (t.ndim - 2)) for t in (x, dt, B, C))
     nc = (l + pad) // q
-    Bs = B.reshape(b, nc, q, h, -1)
-    Cs = C.reshape(b, nc, q, h, -1)
-    a = (dt * A).reshape(b, nc, q, h)
-    S = jnp.cumsum(a, axis=2)  # within-chunk cumulative log-decay (b, c, q, h)
-    dtx = (dt[..., None] * x).reshape(b, nc, q, h, p)
+    Bs = B.reshape(b, nc, q, g, n)
+    Cs = C.reshape(b, nc, q, g, n)
+    # within-chunk cumulative log-decay S (b, c, g, r, q) and dt x (b, c, g, r, q, p)
+    S = jnp.cumsum(jnp.moveaxis((dt * A).reshape(b, nc, q, g, r), 2, -1), axis=-1)
+    dtx = jnp.moveaxis((dt[..., None] * x).reshape(b, nc, q, g, r, p), 2, 4)
 
     # 1. intra-chunk (diagonal blocks): decay exp(S_i - S_j) for j <= i, masked before exp
     causal = jnp.tril(jnp.ones((q, q), bool))
-    seg = S[:, :, :, None, :] - S[:, :, None, :, :]  # (b, c, i, j, h)
-    decay = jnp.exp(jnp.where(causal[None, None, :, :, None], seg, -jnp.inf))
-    scores = jnp.einsum("bcihn,bcjhn->bcijh", Cs, Bs) * decay
-    y_diag = jnp.einsum("bcijh,bcjhp->bcihp", scores, dtx)
+    decay = jnp.exp(jnp.where(causal, S[..., :, None] - S[..., None, :], -jnp.inf))  # (b, c, g, r, i, j)
+    CB = jnp.einsum("bcign,bcjgn->bcgij", Cs, Bs)
+    y_diag = jnp.einsum("bcgrij,bcgrjp->bcgrip", CB[:, :, :, None] * decay, dtx)
 
-    # 2. each chunk's own contribution to the state at its end
-    to_end = jnp.exp(S[:, :, -1:, :] - S)  # (b, c, q, h)
-    chunk_states = jnp.einsum("bcjh,bcjhn,bcjhp->bchpn", to_end, Bs, dtx)
+    # 2. each chunk's own contribution to the state at its end, (b, c, g, r, p, n)
+    to_end = jnp.exp(S[..., -1:] - S)
+    chunk_states = jnp.einsum("bcjgn,bcgrjp->bcgrpn", Bs, dtx * to_end[..., None])
 
     # 3. carry states across chunks (sequential over the few chunks)
     init = (
-        jnp.zeros((b, h, p, Bs.shape[-1]), jnp.float32)
+        jnp.zeros((b, g, r, p, n), jnp.float32)
         if initial_state is None
-        else initial_state.astype(jnp.float32)
+        else initial_state.astype(jnp.float32).reshape(b, g, r, p, n)
     )
-    chunk_decay = jnp.exp(S[:, :, -1, :])  # (b, c, h)
+    chunk_decay = jnp.exp(S[..., -1])  # (b, c, g, r)
 
     def carry(state, inputs):
         decay_c, new_c = inputs
-        return decay_c[:, :, None, None] * state + new_c, state  # emit the state entering the chunk
+        return decay_c[..., None, None] * state + new_c, state  # emit the state entering the chunk
 
-    final, entering = jax.lax.scan(carry, init, (chunk_decay.swapaxes(0, 1), chunk_states.swapaxes(0, 1)))
-    entering = entering.swapaxes(0, 1)  # (b, c, h, p, n)
+    final, entering = jax.lax.scan(
+        carry, init, (jnp.moveaxis(chunk_decay, 1, 0), jnp.moveaxis(chunk_states, 1, 0))
+    )
+    entering = jnp.moveaxis(entering, 0, 1)  # (b, c, g, r, p, n)
 
     # 4. contribution of the entering state to each position
-    y_off = jnp.einsum("bcihn,bchpn,bcih->bcihp", Cs, entering, jnp.exp(S))
-    y = (y_diag + y_off).reshape(b, nc * q, h, p)[:, :l] + D[:, None] * x[:, :l]
-    return y, final
+    y_off = jnp.einsum("bcign,bcgrpn->bcgrip", Cs, entering) * jnp.exp(S)[..., None]
+    y = jnp.moveaxis(y_diag + y_off, 4, 2).reshape(b, nc * q, h, p)[:, :l] + D[:, None] * x[:, :l]
+    return y, final.reshape(b, h, p, n)
 
 
 def ssd_step_reference(state, x, dt, A, B, C, D):

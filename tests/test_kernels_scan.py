@@ -18,8 +18,12 @@ from conftest import directional_fd
 from latim_jax.kernels import lowering
 from latim_jax.kernels.block_sizes import BlockSizes
 from latim_jax.kernels.dispatch import selective_scan, ssd
-from latim_jax.kernels.selective_scan import selective_scan_pallas, selective_scan_reference
-from latim_jax.kernels.ssd import ssd_pallas, ssd_reference
+from latim_jax.kernels.selective_scan import (
+    selective_scan_pallas,
+    selective_scan_reference,
+    selective_scan_step_reference,
+)
+from latim_jax.kernels.ssd import ssd_pallas, ssd_reference, ssd_step_reference
 
 # Tolerances: max |kernel - reference| / max |reference|, per output. Both paths upcast the inputs to
 # fp32 and compute in fp32 (measured: <= 4e-7 for fp32 and bf16 inputs alike); the bf16 bound is looser
@@ -107,6 +111,36 @@ def assert_close(out, ref, tol):
     for name, x, r in zip(("y", "final_state"), out, ref, strict=True):
         assert x.shape == r.shape and x.dtype == r.dtype == jnp.float32, name
         assert rel_err(x, r) <= tol, f"{name}: rel err {rel_err(x, r):.2e} > {tol:.0e}"
+
+
+# --------------------------------------------------------------------------------------------------
+# The chunked references == the one-step recurrence (what the kernels are checked against rests on this)
+# --------------------------------------------------------------------------------------------------
+
+
+def _recurrence(step, state, xs):
+    """Run ``step(state, *x_t)`` over the time axis 1 of every array in ``xs``; (y (b, l, ...), state)."""
+    state, ys = jax.lax.scan(lambda s, x: step(s, *x)[::-1], state, [jnp.moveaxis(x, 1, 0) for x in xs])
+    return jnp.moveaxis(ys, 0, 1), state
+
+
+@pytest.mark.parametrize(("l", "chunk"), [(1, 8), (13, 4), (21, 8), (16, 16)])
+def test_scan_reference_matches_recurrence(l, chunk):
+    (u, delta, A, B, C, D), h0 = scan_inputs(l, **SCAN_SHAPE)
+    step = lambda s, u_t, d_t, B_t, C_t: selective_scan_step_reference(s, u_t, d_t, A, B_t, C_t, D)
+    expect = _recurrence(step, h0, (u, delta, B, C))
+    got = selective_scan_reference(u, delta, A, B, C, D, h0, chunk=chunk)
+    assert_close(got, expect, TOL["forward", jnp.float32])
+
+
+@pytest.mark.parametrize(("l", "chunk", "g"), [(1, 8, 1), (13, 4, 2), (21, 8, 4), (16, 16, 1)])
+def test_ssd_reference_matches_recurrence(l, chunk, g):
+    """Heads share their group's B and C (g < h); chunk lengths that divide l and that do not."""
+    (x, dt, A, B, C, D), h0 = ssd_inputs(l, **SSD_SHAPE, g=g)
+    step = lambda s, x_t, dt_t, B_t, C_t: ssd_step_reference(s, x_t, dt_t, A, B_t, C_t, D)
+    expect = _recurrence(step, h0, (x, dt, B, C))
+    got = ssd_reference(x, dt, A, B, C, D, chunk, initial_state=h0)
+    assert_close(got, expect, TOL["forward", jnp.float32])
 
 
 # --------------------------------------------------------------------------------------------------
