@@ -9,8 +9,9 @@ c = e (Mamba-1) or heads (Mamba-2), K conv taps, g groups, v vocabulary):
                  logits for one chunk of positions at a time (targets and logits are gathered chunkwise)
     layer        one layer at a time: its factors (K + 3) b l e + 3 b l c + 2 b l g n + 5 b l d fp32, the
                  scan's working set (Mamba-1: chunk x e x n per prompt; Mamba-2: its chunked SSD) and the
-                 score path's block working set (rows x cols x (e + d), x n for Mamba-1's hidden
-                 attention), plus the layer's (b, R, l) fp32 score matrix before any reduction
+                 score path's block working set (rows x cols x (e + d); Mamba-1 also its decay
+                 factors, (rows + cols) x e x n), plus the layer's (b, R, l) fp32 score matrix
+                 before any reduction
     output       what the result keeps: layers x b x R x l scores in the output dtype, or x top_k
                  (values and int32 sources), nothing with streaming; the logit rollout's alti maps
                  (layers x b x l x l fp32) when every row of every layer is asked
@@ -98,7 +99,10 @@ def estimate(
         q = min(c.chunk_size, L)
         scan = b * (L // max(q, 1) + 1) * (c.n_heads * c.head_dim * n + q * q * c.n_heads) * f4
     blk = blocks or Blocks.for_layer(c.version, L)
-    work = b * blk.rows * blk.cols * (2 * e + d + (e * n if c.version == 1 else chans)) * f4
+    if c.version == 1:  # per block: segment sums, exponentials, M, values (r q e); P, Q ((r + q) e n)
+        work = b * (blk.rows * blk.cols * (4 * e + d) + (blk.rows + blk.cols) * e * n) * f4
+    else:
+        work = b * blk.rows * blk.cols * (2 * e + d + chans) * f4
     layer_scores = b * R * L * f4
     itemsize = np.dtype(out_dtype).itemsize if out_dtype != "bfloat16" else 2
     if stream:
