@@ -11,7 +11,7 @@ Experiments (``--experiments``, all by default; each measurement a guarded subpr
            "not completed" and is reported as such (plus the L predicted from the memory fit).
   rows     the whole model (all layers), rows=[-1] (last target only) for L in --rows-lengths, and
            --rows-counts rows at --rows-length: a row subset costs O(rows * L) (rows are computed in
-           blocks of 16 (Mamba-1) / 64 (Mamba-2): fewer rows than a block cost a block).
+           blocks of 32 (Mamba-1) / 64 (Mamba-2); fewer rows get a row block of their own size).
   depth    compile time (first call - steady state) of attribute() and of the forward for random
            models of --depths layers (d = --depth-d, the shape's other sizes, L = --depth-length):
            a Python loop over layers makes it grow with depth.
