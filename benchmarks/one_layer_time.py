@@ -1,0 +1,47 @@
+"""One 130m-shaped layer's full l2 matrix in one call: wall and CPU seconds (compile included) and the
+process's peak RSS. The issue's target: one layer at L = 4096 in <= 2 min (Mamba-2), <= 3 min (Mamba-1).
+
+    python benchmarks/one_layer_time.py 2 4096      # VERSION LENGTH: ~2 min (Mamba-2), ~3.5 (Mamba-1)
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from shapes import shape  # noqa: E402
+
+import latim_jax  # noqa: E402
+from latim_jax.init import init_params  # noqa: E402
+
+
+def main(argv=None) -> int:
+    """Time one call for ``VERSION LENGTH`` and print one line."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2:
+        raise SystemExit("usage: one_layer_time.py VERSION LENGTH (e.g. 2 4096)")
+    version, length = int(argv[0]), int(argv[1])
+    cfg = latim_jax.MambaConfig(**shape("130m", version, n_layers=1))
+    model = latim_jax.MambaLM(cfg, init_params(cfg, 0))
+    tokens = np.random.default_rng(0).integers(0, 50000, (1, length))
+    wall, cpu = time.perf_counter(), time.process_time()
+    scores = latim_jax.attribute(model, tokens, method="l2", memory_limit=None).scores
+    scores = np.asarray(jax.block_until_ready(scores))
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+    print(
+        f"Mamba-{version} L={length} l2, one layer, first call (compile included): wall {wall:.1f} s, "
+        f"CPU {cpu:.1f} s, process peak RSS {peak:.2f} GiB, all finite {bool(np.isfinite(scores).all())}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
