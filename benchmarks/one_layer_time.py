@@ -6,6 +6,7 @@ process's peak RSS. The issue's target: one layer at L = 4096 in <= 2 min (Mamba
 
 from __future__ import annotations
 
+import argparse
 import resource
 import sys
 import time
@@ -22,12 +23,21 @@ import latim_jax  # noqa: E402
 from latim_jax.init import init_params  # noqa: E402
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, found {value}")
+    return value
+
+
 def main(argv=None) -> int:
     """Time one call for ``VERSION LENGTH`` and print one line."""
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 2:
-        raise SystemExit("usage: one_layer_time.py VERSION LENGTH (e.g. 2 4096)")
-    version, length = int(argv[0]), int(argv[1])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("version", type=int, choices=(1, 2), help="Mamba version")
+    p.add_argument("length", type=positive_int, help="prompt length L")
+    args = p.parse_args(argv)
+    version, length = args.version, args.length
     cfg = latim_jax.MambaConfig(**shape("130m", version, n_layers=1))
     model = latim_jax.MambaLM(cfg, init_params(cfg, 0))
     tokens = np.random.default_rng(0).integers(0, 50000, (1, length))

@@ -308,11 +308,6 @@ def ssd_pallas(
 # --------------------------------------------------------------------------------------------------
 
 
-def expand_groups(BC, n_heads):
-    """(b, l, g, n) -> (b, l, h, n): head h gets group h // (h / g)."""
-    return jnp.repeat(BC, n_heads // BC.shape[2], axis=2)
-
-
 XLA_CHUNK = 128  # chunk length of the XLA path (dispatch.ssd): the fastest of 64/128/256 on CPU
 
 

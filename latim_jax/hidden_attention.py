@@ -70,8 +70,8 @@ def hidden_attention_block(version, A, D, delta, B, C, decay, rows, cols, *, wit
         # a tile whose sources all precede its targets factors the decay through its first target
         far = jnp.max(cols) <= jnp.min(rows)
         args = (A, delta, B, C, decay, rows, safe)
-        # rematerialised under differentiation: the backward recomputes the r q e n exponentials
-        # instead of keeping them (they would be n times the block's size)
+        # both tiles rematerialised under differentiation: the backward recomputes their exponentials
+        # instead of keeping them (the near tile's r q e n: n times the block's size)
         direct = jax.checkpoint(lambda *a: _m1_direct(*a, mask))
         M = jax.lax.cond(far, jax.checkpoint(_m1_factored), direct, *args) * dt_t[:, None]
     else:
