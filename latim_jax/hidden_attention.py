@@ -101,18 +101,30 @@ def _m1_direct(A, delta, B, C, decay, rows, cols, mask):
     return jnp.where(keep, acc, 0.0)
 
 
-def _m1_factored(A, delta, B, C, decay, rows, cols):
-    """The same sum when every source t precedes every target i (max t <= r = min i): with the tile's
-    reference r, exp(A (S_i - S_t)) = exp(A (S_i - S_r)) exp(A (S_r - S_t)), both factors <= 1, so
+def m1_far_factors(A, B, C, decay, rows, cols):
+    """The two factors of the Mamba-1 decay through the reference r = min(rows):
 
-        M[i, t, e] = sum_n P[i, e, n] Q[t, e, n],  P = C_i exp(A (S_i - S_r)),  Q = B_t exp(A (S_r - S_t))
+        P[i, e, n] = C_i[n] exp(A[e, n] (S_i - S_r)[e])   (b, r, e, n)
+        Q[t, e, n] = B_t[n] exp(A[e, n] (S_r - S_t)[e])   (b, q, e, n)
+
+    so that sum_n P[i, e, n] Q[t, e, n] = sum_n C_i B_t exp(A (S_i - S_t)) for every source t <= r
+    (both factors <= 1). Both exponents are clamped at 0: a source after r gets a finite factor that
+    no caller uses (its tile takes the direct form), never an overflow whose gradient would be NaN."""
+    ref = jnp.min(rows)[None]
+    to_i = jnp.maximum(segment_sum(decay, rows, ref)[:, :, 0], 0.0)  # (b, r, e): S_i - S_r
+    from_t = jnp.maximum(segment_sum(decay, ref, cols)[:, 0], 0.0)  # (b, q, e): S_r - S_t
+    P = C[:, rows].astype(f32)[:, :, None, :] * jnp.exp(A[None, None] * to_i[..., None])
+    Q = B[:, cols].astype(f32)[:, :, None, :] * jnp.exp(A[None, None] * from_t[..., None])
+    return P, Q
+
+
+def _m1_factored(A, delta, B, C, decay, rows, cols):
+    """The direct form's sum when every source t precedes every target i (max t <= r = min i):
+
+        M[i, t, e] = sum_n P[i, e, n] Q[t, e, n]   (:func:`m1_far_factors`)
 
     is a (r x n)(n x q) product per channel from (r + q) e n exponentials (not r q e n)."""
-    ref = jnp.min(rows)[None]
-    to_i = segment_sum(decay, rows, ref)[:, :, 0]  # (b, r, e): S_i - S_r >= 0
-    from_t = segment_sum(decay, ref, cols)[:, 0]  # (b, q, e): S_r - S_t >= 0
-    P = C[:, rows][:, :, None, :] * jnp.exp(A[None, None] * to_i[..., None])  # (b, r, e, n)
-    Q = B[:, cols][:, :, None, :] * jnp.exp(A[None, None] * from_t[..., None])  # (b, q, e, n)
+    P, Q = m1_far_factors(A, B, C, decay, rows, cols)
     return jnp.einsum("bren,bqen->brqe", P, Q)
 
 
