@@ -55,7 +55,7 @@ def profile_jax(path, ids, method, mode, runs) -> dict:
     import jax.numpy as jnp
 
     import latim_jax
-    from latim_jax.decomposition import layer_factors, pair_values, with_padded_sources
+    from latim_jax.decomposition import layer_factors, pair_values
     from latim_jax.scores import Blocks, blocked, layer_scores, project, safe_norm
 
     model = latim_jax.load(path)
@@ -75,16 +75,15 @@ def profile_jax(path, ids, method, mode, runs) -> dict:
     # the blocked scores split: the pair values V (hidden attention, taps, gate; summed over e) alone,
     # and the projection onto W_out + norm of a constant block alone, over the same causal blocks
     blocks = Blocks.for_layer(f.version, L)
-    fp = with_padded_sources(f, blocks.cols)
 
-    def value_block(rb, j0):
-        return pair_values(fp, rb, j0, blocks.cols).sum(-1)
+    def value_block(g, rb, j0):
+        return pair_values(g, rb, j0, blocks.cols).sum(-1)
 
     def projection_block(rb, j0, W):
         return safe_norm(project(const * rb[0], W), -1)
 
-    values = jax.jit(lambda fp: blocked(value_block, rows, L, blocks))
-    t_val, _ = timeit(lambda: values(fp), runs, sync, "pair_values_only_s")
+    values = jax.jit(lambda g: blocked(lambda rb, j0: value_block(g, rb, j0), rows, L, blocks))
+    t_val, _ = timeit(lambda: values(f), runs, sync, "pair_values_only_s")
     const = jnp.ones((ids.shape[0], blocks.rows, blocks.cols, f.W_out.shape[0]), jnp.float32)
     proj = jax.jit(lambda W: blocked(lambda rb, j0: projection_block(rb, j0, W), rows, L, blocks))
     t_proj, _ = timeit(lambda: proj(f.W_out), runs, sync, "projection_only_s")

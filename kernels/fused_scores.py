@@ -507,10 +507,8 @@ def fused_layer_scores(
 
 def fused_scores_reference(f, method: str, rows, *, aux=None, blocks=None):
     """``blocked(pair_score)`` of latim_jax.scores: (b, len(rows), l), alti before normalisation."""
-    from latim_jax.decomposition import with_padded_sources
     from latim_jax.scores import Blocks, blocked, pair_score
 
     blocks = blocks or Blocks.for_layer(f.version, f.length)
     rows = jnp.asarray(rows, jnp.int32)
-    fp = with_padded_sources(f, blocks.cols)
-    return blocked(lambda rb, j0: pair_score(fp, method, rb, j0, blocks.cols, aux), rows, f.length, blocks)
+    return blocked(lambda rb, j0: pair_score(f, method, rb, j0, blocks.cols, aux), rows, f.length, blocks)

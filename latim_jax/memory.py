@@ -5,8 +5,10 @@ The estimate adds, in bytes (b prompts, l positions, R target rows, d width, e i
 c = e (Mamba-1) or heads (Mamba-2), K conv taps, g groups, v vocabulary):
 
     parameters   the loaded model
-    streams      the residual streams entering every layer, (layers + 1) b l d fp32, plus the head's
-                 logits for one chunk of positions at a time (targets and logits are gathered chunkwise)
+    streams      logit and grad_input (a forward pass first): the residual streams entering every
+                 layer, (layers + 1) b l d fp32, plus the head's logits for one chunk of positions at a
+                 time (targets and logits are gathered chunkwise); the other methods score each layer as
+                 one pass reaches it: two streams, 2 b l d fp32
     layer        one layer at a time: its factors (K + 3) b l e + 3 b l c + 2 b l g n + 5 b l d fp32, the
                  scan's working set (Mamba-1: chunk x e x n per prompt; Mamba-2: its chunked SSD) and the
                  score path's block working set (rows x cols x (e + d); Mamba-1 also its decay
@@ -91,7 +93,10 @@ def estimate(
     groups = 1 if c.version == 1 else c.n_groups
     f4 = 4
     params = sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for x in _leaves(model))
-    streams = (c.n_layers + 1) * b * L * d * f4 + b * min(L, HEAD_CHUNK) * c.vocab_size * f4
+    if method in ("logit", "grad_input"):  # a forward first: every layer's input stream, and the head
+        streams = (c.n_layers + 1) * b * L * d * f4 + b * min(L, HEAD_CHUNK) * c.vocab_size * f4
+    else:  # one pass over the layers: the stream entering the layer and the next one
+        streams = 2 * b * L * d * f4
     factors = ((K + 3) * b * L * e + 3 * b * L * chans + 2 * b * L * groups * n + 5 * b * L * d) * f4
     if c.version == 1:
         scan = 3 * b * min(L, 256) * e * n * f4

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from latim_jax.decomposition import LayerFactors, pair_values, with_padded_sources
+from latim_jax.decomposition import LayerFactors, pair_values
 from latim_jax.hidden_attention import hidden_attention_block
 from latim_jax.kernels import fused_scores
 from latim_jax.kernels.dispatch import use_pallas
@@ -199,10 +199,9 @@ def layer_scores(
     elif use_pallas(impl) and method in fused_scores.METHODS:
         s = fused_scores.fused_layer_scores(f, method, rows, aux=aux, block_sizes=_kernel_blocks(precision))
     else:
-        fp = with_padded_sources(f, blocks.cols)
 
         def fn(rb, j0):
-            return pair_score(fp, method, rb, j0, blocks.cols, aux, precision)
+            return pair_score(f, method, rb, j0, blocks.cols, aux, precision)
 
         s = blocked(fn, rows, f.length, blocks)
     return finish_scores(s, method, rows, mask)
@@ -229,10 +228,9 @@ def logit_and_alti(
         common = dict(mask=mask, blocks=blocks, impl=impl, precision=precision)
         return layer_scores(f, "logit", rows, aux=aux, **common), layer_scores(f, "alti", rows, **common)
     blocks = blocks or Blocks.for_layer(f.version, f.length, rows.shape[0])
-    fp = with_padded_sources(f, blocks.cols)
 
     def fn(rb, j0):
-        return pair_score(fp, "logit+alti", rb, j0, blocks.cols, aux, precision)
+        return pair_score(f, "logit+alti", rb, j0, blocks.cols, aux, precision)
 
     s = blocked(fn, rows, f.length, blocks, (2,))
     return finish_scores(s[..., 0], "logit", rows, mask), finish_scores(s[..., 1], "alti", rows, mask)
@@ -363,7 +361,6 @@ def token_sum(f: LayerFactors, rows, *, blocks: Blocks | None = None):
     """sum_j T_i(x_j) for i in rows, accumulated block by block: (b, r, d)."""
     blocks = blocks or Blocks.for_layer(f.version, f.length)
     n_cb = -(-f.length // blocks.cols)
-    f = with_padded_sources(f, blocks.cols)
 
     def row_block(rb):
         @jax.checkpoint

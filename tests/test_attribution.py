@@ -376,7 +376,7 @@ def test_mamba1_far_pair_values_and_their_gradient_equal_the_near_form():
     full contribution tensor's entries, and the gradient of blocked scores that use far tiles (4 x 4
     blocks) equals the gradient through one whole block."""
     from latim_jax.attribution import _layer_input
-    from latim_jax.decomposition import full_contributions, layer_factors, pair_values, with_padded_sources
+    from latim_jax.decomposition import full_contributions, layer_factors, pair_values
     from latim_jax.scores import layer_scores
 
     model = make("m1", conv_bias=True)
@@ -386,7 +386,7 @@ def test_mamba1_far_pair_values_and_their_gradient_equal_the_near_form():
     T = np.asarray(full_contributions(f))
     for rows, j0, width in ((np.arange(12, 20), 0, 8), (np.array([23, 15, 17]), 3, 8)):
         assert j0 + width + model.config.d_conv - 2 < rows.min()  # a far tile
-        V = pair_values(with_padded_sources(f, width), jnp.asarray(rows), j0, width)
+        V = pair_values(f, jnp.asarray(rows), j0, width)
         got = np.einsum("brje,ed->brjd", np.asarray(V), np.asarray(f.W_out))
         assert rel(got, T[:, rows, j0 : j0 + width]) < TOL["fp32"]
 
