@@ -67,13 +67,14 @@ def hidden_attention_block(version, A, D, delta, B, C, decay, rows, cols, *, wit
     safe = jnp.minimum(cols, length - 1)
     dt_t = delta[:, safe].astype(f32)  # (b, q, c)
     if version == 1:
-        # a tile whose sources all precede its targets factors the decay through its first target
+        # a tile whose sources all precede its targets factors the decay through its first target:
+        # M = sum_n P Q (m1_far_factors), P and Q formed outside the cond (inside, XLA fuses their
+        # exponentials into the product); the near tile rematerialised under differentiation (its
+        # r q e n exponentials, n times the block's size, are recomputed rather than kept)
         far = jnp.max(cols) <= jnp.min(rows)
-        args = (A, delta, B, C, decay, rows, safe)
-        # both tiles rematerialised under differentiation: the backward recomputes their exponentials
-        # instead of keeping them (the near tile's r q e n: n times the block's size)
-        direct = jax.checkpoint(lambda *a: _m1_direct(*a, mask))
-        M = jax.lax.cond(far, jax.checkpoint(_m1_factored), direct, *args) * dt_t[:, None]
+        P, Q = m1_far_factors(A, B, C, decay, rows, safe)
+        direct = jax.checkpoint(lambda P, Q: _m1_direct(A, delta, B, C, decay, rows, safe, mask))
+        M = jax.lax.cond(far, _m1_product, direct, P, Q) * dt_t[:, None]
     else:
         seg = segment_sum(decay, rows, safe)  # (b, r, q, c)
         heads = A.shape[0]
@@ -118,13 +119,9 @@ def m1_far_factors(A, B, C, decay, rows, cols):
     return P, Q
 
 
-def _m1_factored(A, delta, B, C, decay, rows, cols):
-    """The direct form's sum when every source t precedes every target i (max t <= r = min i):
-
-        M[i, t, e] = sum_n P[i, e, n] Q[t, e, n]   (:func:`m1_far_factors`)
-
-    is a (r x n)(n x q) product per channel from (r + q) e n exponentials (not r q e n)."""
-    P, Q = m1_far_factors(A, B, C, decay, rows, cols)
+def _m1_product(P, Q):
+    """M[i, t, e] = sum_n P[i, e, n] Q[t, e, n]: a (r x n)(n x q) product per channel, from (r + q) e n
+    exponentials instead of the direct form's r q e n."""
     return jnp.einsum("bren,bqen->brqe", P, Q)
 
 

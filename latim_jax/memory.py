@@ -9,7 +9,8 @@ c = e (Mamba-1) or heads (Mamba-2), K conv taps, g groups, v vocabulary):
                  layer, (layers + 1) b l d fp32, plus the head's logits for one chunk of positions at a
                  time (targets and logits are gathered chunkwise); the other methods score each layer as
                  one pass reaches it: two streams, 2 b l d fp32
-    layer        one layer at a time: its factors (K + 3) b l e + 3 b l c + 2 b l g n + 5 b l d fp32, the
+    layer        one layer at a time: its factors (K + 3) b l e + 3 b l c + 2 b l g n + 5 b l d fp32 and
+                 the in_proj output (b l (2 e + 2 g n + heads), Mamba-1 b l 2 e), the
                  scan's working set (Mamba-1: chunk x e x n per prompt; Mamba-2: its chunked SSD) and the
                  score path's block working set (rows x cols x (e + d); Mamba-1 also its decay
                  factors, (rows + cols) x e x n), plus the layer's (b, R, l) fp32 score matrix
@@ -97,7 +98,9 @@ def estimate(
         streams = (c.n_layers + 1) * b * L * d * f4 + b * min(L, HEAD_CHUNK) * c.vocab_size * f4
     else:  # one pass over the layers: the stream entering the layer and the next one
         streams = 2 * b * L * d * f4
+    in_width = 2 * e if c.version == 1 else 2 * e + 2 * groups * n + c.n_heads  # in_proj's output
     factors = ((K + 3) * b * L * e + 3 * b * L * chans + 2 * b * L * groups * n + 5 * b * L * d) * f4
+    factors += b * L * in_width * f4
     if c.version == 1:
         scan = 3 * b * min(L, 256) * e * n * f4
     else:
@@ -129,8 +132,9 @@ def _leaves(model):
     return jax.tree.leaves(model.params())
 
 
-# memory_limit="auto" keeps this share of the free memory for what the estimate misses (measured: the
-# estimate is within about 10% of the peak, below it at L = 16384 on a 24-layer model)
+# memory_limit="auto" keeps this share of the free memory for what the estimate misses (measured on a
+# 24-layer 130m-shaped Mamba-2, last row: 1.09 / 1.03 / 0.94 x the peak above the model at L = 1k / 4k
+# / 16k; benchmarks/results/scale_out.json)
 AUTO_MARGIN = 1.2
 
 

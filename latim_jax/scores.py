@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from latim_jax.decomposition import LayerFactors, pair_values
-from latim_jax.hidden_attention import hidden_attention_block
+from latim_jax.hidden_attention import hidden_attention_block, m1_far_factors
 from latim_jax.kernels import fused_scores
 from latim_jax.kernels.dispatch import use_pallas
 from latim_jax.kernels.fused_scores_tiles import alti_gain
@@ -306,6 +306,25 @@ def _hidden_attention(f: LayerFactors, rows, j0, width):
     return hidden_attention_block(f.version, f.A, f.D, f.delta, f.B, f.C, f.decay, rows, cols, with_D=False)
 
 
+def _m1_mean_hidden_attention(f: LayerFactors, rows, j0, width):
+    """Mamba-1's mean over channels of M (without D), (b, r, width): on a far tile (every source at or
+    before every target) one (r x e n)(e n x q) matrix product, (1/e) sum_{e,n} P[i, e, n] Delta_t[e]
+    Q[t, e, n] (hidden_attention.m1_far_factors), never the (r, q, e) block; other tiles average M."""
+    cols = j0 + jnp.arange(width)
+    safe = jnp.minimum(cols, f.length - 1)
+    P, Q = m1_far_factors(f.A, f.B, f.C, f.decay, rows, safe)  # outside the cond, as in pair_values
+    Q = Q * f.delta[:, safe].astype(f32)[..., None]
+    e = f.A.shape[0]
+
+    def far(P, Q):
+        return jnp.einsum("bren,bqen->brq", P, Q) / e
+
+    def near(P, Q):
+        return jnp.mean(_hidden_attention(f, rows, j0, width), axis=-1)
+
+    return jax.lax.cond(jnp.max(cols) <= jnp.min(rows), far, near, P, Q)
+
+
 def hidden_attention_scores(f: LayerFactors, rows, *, mask=None, blocks: Blocks, aggregation: str):
     """The hidden-attention baseline (b, len(rows), l) with one of :data:`AGGREGATIONS` (module
     docstring). minmax needs the per-prompt range of M over the whole causal triangle: one extra
@@ -314,6 +333,8 @@ def hidden_attention_scores(f: LayerFactors, rows, *, mask=None, blocks: Blocks,
         raise ValueError(f"aggregation must be one of {AGGREGATIONS}, found {aggregation!r}")
 
     def pair(rb, j0):
+        if f.version == 1 and aggregation != "abs":
+            return _m1_mean_hidden_attention(f, rb, j0, blocks.cols)
         M = _hidden_attention(f, rb, j0, blocks.cols)  # (b, r, q, c)
         return jnp.mean(jnp.abs(M) if aggregation == "abs" else M, axis=-1)
 

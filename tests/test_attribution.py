@@ -372,7 +372,7 @@ def test_mamba1_factored_far_tiles_equal_the_direct_form():
 
 
 def test_mamba1_far_pair_values_and_their_gradient_equal_the_near_form():
-    """Mamba-1 pair values on far tiles (the factored decay, hidden_attention._m1_factored) equal the
+    """Mamba-1 pair values on far tiles (the factored decay, hidden_attention.m1_far_factors) equal the
     full contribution tensor's entries, and the gradient of blocked scores that use far tiles (4 x 4
     blocks) equals the gradient through one whole block."""
     from latim_jax.attribution import _layer_input
