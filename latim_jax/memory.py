@@ -133,8 +133,8 @@ def _leaves(model):
 
 
 # memory_limit="auto" keeps this share of the free memory for what the estimate misses (measured on a
-# 24-layer 130m-shaped Mamba-2, last row: 1.09 / 1.03 / 0.94 x the peak above the model at L = 1k / 4k
-# / 16k; benchmarks/results/scale_out.json)
+# 24-layer 130m-shaped Mamba-2, last row: 0.78 / 1.01 / 0.95 x the peak above the model at L = 1k / 4k
+# / 16k, the 1k peak itself varying 0.15-0.22 GiB between runs; benchmarks/results/scale_out.json)
 AUTO_MARGIN = 1.2
 
 
