@@ -207,9 +207,9 @@ def pair_values(f: LayerFactors, rows, j0: int | jax.Array, width: int):
     a = jnp.take(f.a, j0 + jnp.arange(width), axis=2, mode="fill", fill_value=0)  # (K, b, width, e)
     src_ok = (j0 + jnp.arange(width)) < f.length
     if f.version == 1:
-        return f.G[:, rows][:, :, None] * _m1_tapped(f, rows, cols, a) * src_ok[None, None, :, None]
-    M = hidden_attention_block(f.version, f.A, f.D, f.delta, f.B, f.C, f.decay, rows, cols)  # (b, r, q, c)
-    if f.version == 2:
+        acc = _m1_tapped(f, rows, cols, a)
+    else:
+        M = hidden_attention_block(2, f.A, f.D, f.delta, f.B, f.C, f.decay, rows, cols)  # (b, r, q, h)
         h = f.heads
         a = a.reshape(K, b, width, h, e // h)
         acc = sum(M[:, :, k : k + width, :, None] * a[k][:, None] for k in range(K))  # (b, r, width, h, p)
@@ -221,22 +221,20 @@ def _m1_tapped(f: LayerFactors, rows, cols, a):
     """Mamba-1's sum_k M_{i,j+k} a_k[j] for the q = width + K - 1 source columns ``cols``: (b, r, width, e).
 
     A far tile (every column, taps included, before every target row) applies the taps to the small
-    decay factor, sum_n P[i, e, n] (sum_k Q'[j+k, e, n] a_k[j]) with Q' = Delta_t Q, so neither M
-    nor the tap products touch an (r, q, e) block before the one product; other tiles build M and
-    tap it. P and Q are formed outside the cond on purpose: inside one computation XLA fuses Q's
-    exponentials into each of the K tap products (K times the exponentials; a far tile of one 130m
-    layer took ~25% longer)."""
+    decay factor, sum_n P[i, e, n] (sum_k Q[j+k, e, n] a_k[j]), so neither M nor the tap products
+    touch an (r, q, e) block before the one product; other tiles build M (from the same P and Q where
+    they can) and tap it. P and Q are formed outside the cond on purpose: inside one computation XLA
+    fuses Q's exponentials into each of the K tap products (K times the exponentials; a far tile of
+    one 130m layer took ~25% longer)."""
     K, width = a.shape[0], a.shape[2]
-    safe = jnp.minimum(cols, f.length - 1)
-    P, Q = m1_far_factors(f.A, f.B, f.C, f.decay, rows, safe)
-    Q = Q * f.delta[:, safe].astype(f32)[..., None]  # (b, q, e, n)
+    P, Q = m1_far_factors(f.A, f.delta, f.B, f.C, f.decay, rows, jnp.minimum(cols, f.length - 1))
 
     def far(P, Q, a):
         Qa = sum(Q[:, k : k + width] * a[k][..., None] for k in range(K))  # (b, width, e, n)
         return jnp.einsum("bren,bjen->brje", P, Qa)
 
     def near(P, Q, a):
-        M = hidden_attention_block(1, f.A, f.D, f.delta, f.B, f.C, f.decay, rows, cols)  # (b, r, q, e)
+        M = hidden_attention_block(1, f.A, f.D, f.delta, f.B, f.C, f.decay, rows, cols, factors=(P, Q))
         return sum(M[:, :, k : k + width] * a[k][:, None] for k in range(K))
 
     return jax.lax.cond(jnp.max(cols) < jnp.min(rows), far, near, P, Q, a)

@@ -56,10 +56,11 @@ def causal_mask(rows, cols, length):
     return (cols[None, :] <= rows[:, None]) & (cols[None, :] < length)
 
 
-def hidden_attention_block(version, A, D, delta, B, C, decay, rows, cols, *, with_D=True):
+def hidden_attention_block(version, A, D, delta, B, C, decay, rows, cols, *, with_D=True, factors=None):
     """M_{i,t} for i in ``rows``, t in ``cols`` (index arrays; cols may run past the end: zero there).
 
-    Mamba-1: A (e, n), D (e,), delta (b, l, e), B, C (b, l, n) -> (b, r, q, e).
+    Mamba-1: A (e, n), D (e,), delta (b, l, e), B, C (b, l, n) -> (b, r, q, e); ``factors``: the
+    (P, Q) of :func:`m1_far_factors` for these rows and cols when the caller already has them.
     Mamba-2: A (h,), D (h,), delta (b, l, h), B, C (b, l, g, n) -> (b, r, q, h).
     """
     length = delta.shape[1]
@@ -72,9 +73,11 @@ def hidden_attention_block(version, A, D, delta, B, C, decay, rows, cols, *, wit
         # exponentials into the product); the near tile rematerialised under differentiation (its
         # r q e n exponentials, n times the block's size, are recomputed rather than kept)
         far = jnp.max(cols) <= jnp.min(rows)
-        P, Q = m1_far_factors(A, B, C, decay, rows, safe)
-        direct = jax.checkpoint(lambda P, Q: _m1_direct(A, delta, B, C, decay, rows, safe, mask))
-        M = jax.lax.cond(far, _m1_product, direct, P, Q) * dt_t[:, None]
+        P, Q = m1_far_factors(A, delta, B, C, decay, rows, safe) if factors is None else factors
+        direct = jax.checkpoint(
+            lambda P, Q: _m1_direct(A, delta, B, C, decay, rows, safe, mask) * dt_t[:, None]
+        )
+        M = jax.lax.cond(far, _m1_product, direct, P, Q)
     else:
         seg = segment_sum(decay, rows, safe)  # (b, r, q, c)
         heads = A.shape[0]
@@ -102,20 +105,22 @@ def _m1_direct(A, delta, B, C, decay, rows, cols, mask):
     return jnp.where(keep, acc, 0.0)
 
 
-def m1_far_factors(A, B, C, decay, rows, cols):
-    """The two factors of the Mamba-1 decay through the reference r = min(rows):
+def m1_far_factors(A, delta, B, C, decay, rows, cols):
+    """The two factors of the Mamba-1 hidden attention through the reference r = min(rows):
 
-        P[i, e, n] = C_i[n] exp(A[e, n] (S_i - S_r)[e])   (b, r, e, n)
-        Q[t, e, n] = B_t[n] exp(A[e, n] (S_r - S_t)[e])   (b, q, e, n)
+        P[i, e, n] = C_i[n] exp(A[e, n] (S_i - S_r)[e])                (b, r, e, n)
+        Q[t, e, n] = B_t[n] Delta_t[e] exp(A[e, n] (S_r - S_t)[e])     (b, q, e, n)
 
-    so that sum_n P[i, e, n] Q[t, e, n] = sum_n C_i B_t exp(A (S_i - S_t)) for every source t <= r
-    (both factors <= 1). Both exponents are clamped at 0: a source after r gets a finite factor that
-    no caller uses (its tile takes the direct form), never an overflow whose gradient would be NaN."""
+    so that sum_n P[i, e, n] Q[t, e, n] = M_{i,t}[e] without D for every source t <= r (both
+    exponentials <= 1); ``cols`` must lie inside the sequence. Both exponents are clamped at 0: a
+    source after r gets a finite factor that no caller uses (its tile takes the direct form), never
+    an overflow whose gradient would be NaN."""
     ref = jnp.min(rows)[None]
     to_i = jnp.maximum(segment_sum(decay, rows, ref)[:, :, 0], 0.0)  # (b, r, e): S_i - S_r
     from_t = jnp.maximum(segment_sum(decay, ref, cols)[:, 0], 0.0)  # (b, q, e): S_r - S_t
     P = C[:, rows].astype(f32)[:, :, None, :] * jnp.exp(A[None, None] * to_i[..., None])
-    Q = B[:, cols].astype(f32)[:, :, None, :] * jnp.exp(A[None, None] * from_t[..., None])
+    B_dt = B[:, cols].astype(f32)[:, :, None, :] * delta[:, cols].astype(f32)[..., None]  # (b, q, e, n)
+    Q = B_dt * jnp.exp(A[None, None] * from_t[..., None])
     return P, Q
 
 

@@ -308,19 +308,21 @@ def _hidden_attention(f: LayerFactors, rows, j0, width):
 
 def _m1_mean_hidden_attention(f: LayerFactors, rows, j0, width):
     """Mamba-1's mean over channels of M (without D), (b, r, width): on a far tile (every source at or
-    before every target) one (r x e n)(e n x q) matrix product, (1/e) sum_{e,n} P[i, e, n] Delta_t[e]
-    Q[t, e, n] (hidden_attention.m1_far_factors), never the (r, q, e) block; other tiles average M."""
+    before every target) one (r x e n)(e n x q) matrix product, (1/e) sum_{e,n} P[i, e, n] Q[t, e, n]
+    (hidden_attention.m1_far_factors), never the (r, q, e) block; other tiles average M."""
     cols = j0 + jnp.arange(width)
-    safe = jnp.minimum(cols, f.length - 1)
-    P, Q = m1_far_factors(f.A, f.B, f.C, f.decay, rows, safe)  # outside the cond, as in pair_values
-    Q = Q * f.delta[:, safe].astype(f32)[..., None]
+    # outside the cond, as in pair_values; the near tiles reuse them
+    P, Q = m1_far_factors(f.A, f.delta, f.B, f.C, f.decay, rows, jnp.minimum(cols, f.length - 1))
     e = f.A.shape[0]
 
     def far(P, Q):
         return jnp.einsum("bren,bqen->brq", P, Q) / e
 
     def near(P, Q):
-        return jnp.mean(_hidden_attention(f, rows, j0, width), axis=-1)
+        M = hidden_attention_block(
+            1, f.A, f.D, f.delta, f.B, f.C, f.decay, rows, cols, with_D=False, factors=(P, Q)
+        )
+        return jnp.mean(M, axis=-1)
 
     return jax.lax.cond(jnp.max(cols) <= jnp.min(rows), far, near, P, Q)
 
