@@ -88,6 +88,7 @@ def test_logit_rollout_maps_option(name):
         latim_jax.attribute(model, t, method="logit", rollout_maps="no")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["m1", "m2"])
 def test_hidden_attention_aggregations(name):
     from latim_jax.hidden_attention import full_hidden_attention

@@ -113,6 +113,7 @@ def test_text_file_run_equals_direct_attribution(ckpt, tmp_path, monkeypatch, ca
     assert main(argv) == 2 and "holds the results of a different run" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_sigkill_then_rerun_gives_every_prompt_once(ckpt, tmp_path):
     rng = np.random.default_rng(0)
     lengths = [3, 20, 37, 55, 70, 90, 3, 20]  # several buckets: each batch compiles, so the run is slow

@@ -32,6 +32,7 @@ def tiny(version=2, activation="silu", seed=0, task=COPY):
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task", [COPY, MQAR], ids=["copy", "mqar"])
 def test_report_structure_and_random_baseline(task):
     model = tiny(task=task)
@@ -109,6 +110,7 @@ def test_compare_models_identity_makes_paper_mode_exact(version):
         ev.compare_models({})
 
 
+@pytest.mark.slow
 def test_cli_evaluate_mqar_model(tmp_path, capsys):
     tc = tr.TrainConfig(
         model=tiny().config, task=MQAR, steps=2, batch_size=4, eval_every=2, eval_size=8, warmup_steps=1

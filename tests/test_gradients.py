@@ -67,6 +67,7 @@ def directional(fn, x, seed):
     return float(jnp.vdot(g, v)), float((f(x + EPS * v) - f(x - EPS * v)) / (2 * EPS))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["exact", "paper"])
 @pytest.mark.parametrize("version", [1, 2])
 def test_every_method_matches_finite_differences(version, mode):
@@ -116,6 +117,7 @@ def test_pallas_vmap_and_masked_gradients(version):
     assert rel(gp[0, pad:], g[1]) < TOL["same"] and float(jnp.abs(gp[0, :pad]).max()) == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version", [1, 2])
 def test_hold_fixed_differentiates_the_linear_decomposition(version):
     """With Delta, B, C, the gates and the norm scales held fixed, layer 0's contributions are linear

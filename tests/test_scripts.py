@@ -35,6 +35,7 @@ def script(name: str):
     return module
 
 
+@pytest.mark.slow
 def test_train_then_compare_with_relative_paths(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     Path("cfg.json").write_text(json.dumps(CONFIG))
