@@ -30,12 +30,25 @@ def _dot_nt(a, b, precision):  # (m, k) (n, k) -> (m, n)
 
 def alti_gain(a, t):
     """|a| - |a - t| elementwise, without cancellation: where a and a - t share a sign it is exactly
-    sign(a) * t (so t = 0 gives exactly 0); elsewhere |a| <= |t| and the direct form is accurate.
-    ALTI's raw score is max(0, sum_d alti_gain(hout_i, T'_ij)) = max(0, ||hout_i||_1 - ||hout_i - T'_ij||_1),
-    accurate to rounding relative to ||T'_ij||_1 rather than to ||hout_i||_1."""
-    rest = a - t
-    sign = jnp.where(a >= 0, 1.0, -1.0)
-    return jnp.where((a >= 0) == (rest >= 0), sign * t, jnp.abs(a) - jnp.abs(rest))
+    sign(a) * t (so t = 0 gives exactly 0); elsewhere |a| <= |t| and the result is accurate to
+    rounding relative to |t|. ALTI's raw score is max(0, sum_d alti_gain(hout_i, T'_ij))
+    = max(0, ||hout_i||_1 - ||hout_i - T'_ij||_1), accurate relative to ||T'_ij||_1 rather than to
+    ||hout_i||_1. Computed as :func:`alti_gain_signed` (sign(a), 2|a|, t)."""
+    return alti_gain_signed(jnp.where(a >= 0, 1.0, -1.0), 2.0 * jnp.abs(a), t)
+
+
+def alti_gain_signed(s, two_abs_a, t):
+    """:func:`alti_gain` from s = sign(a) (1 at a = 0) and 2|a|: with u = s t,
+
+        |a| - |a - t| = min(u, 2|a| - u)
+
+    (a >= 0: t when t <= a, else 2a - t; a < 0 mirrored). Where a and a - t share a sign, u <=
+    2|a| - u holds exactly, so the min returns u = s t exactly. No compare or select touches t: XLA:CPU
+    fuses this form (products, a difference, a min) into the projection's epilogue like the l1 norm,
+    while the select form made it materialise the (rows, cols, e) values first (one 130m Mamba-2
+    tile: ~100 -> ~65 ms). The scores pass s and 2|a| per target row, computed once."""
+    u = s * t
+    return jnp.minimum(u, two_abs_a - u)
 
 
 def _reduce_d(method, T, x, axis):

@@ -35,7 +35,7 @@ from latim_jax.decomposition import LayerFactors, pair_values
 from latim_jax.hidden_attention import hidden_attention_block, m1_far_factors
 from latim_jax.kernels import fused_scores
 from latim_jax.kernels.dispatch import use_pallas
-from latim_jax.kernels.fused_scores_tiles import alti_gain
+from latim_jax.kernels.fused_scores_tiles import alti_gain_signed
 from latim_jax.layers import f32
 from latim_jax.sharding import DATA, MODEL, Runtime, as_runtime
 
@@ -113,9 +113,11 @@ def pair_score(f: LayerFactors, method: str, rows, j0, width, aux=None, precisio
 def _alti_raw(f: LayerFactors, T, rows, j0, width):
     """max(0, ||hout_i||_1 - ||hout_i - T'_ij||_1) for T (b, r, width, d), before normalisation."""
     hout = (f.h + f.output)[:, rows]  # (b, r, d); the bias terms are part of o
+    sign, two_abs = jnp.where(hout >= 0, 1.0, -1.0), 2.0 * jnp.abs(hout)  # per row, not per pair
     diag = (rows[:, None] == (j0 + jnp.arange(width))[None, :]).astype(f32)  # (r, width)
     Tp = T + diag[None, :, :, None] * f.h[:, rows][:, :, None]
-    return jnp.maximum(0.0, jnp.sum(alti_gain(hout[:, :, None], Tp), -1))
+    gain = alti_gain_signed(sign[:, :, None], two_abs[:, :, None], Tp)
+    return jnp.maximum(0.0, jnp.sum(gain, -1))
 
 
 def blocked(fn, rows, length, blocks: Blocks, out_tail=()):
