@@ -75,7 +75,7 @@ def hidden_attention_block(version, A, D, delta, B, C, decay, rows, cols, *, wit
         far = jnp.max(cols) <= jnp.min(rows)
         P, Q = m1_far_factors(A, delta, B, C, decay, rows, safe) if factors is None else factors
         direct = jax.checkpoint(
-            lambda P, Q: _m1_direct(A, delta, B, C, decay, rows, safe, mask) * dt_t[:, None]
+            lambda P, Q: _m1_direct_chunked(A, delta, B, C, decay, rows, safe, mask) * dt_t[:, None]
         )
         M = jax.lax.cond(far, _m1_product, direct, P, Q)
     else:
@@ -90,6 +90,28 @@ def hidden_attention_block(version, A, D, delta, B, C, decay, rows, cols, *, wit
         diag = (rows[:, None] == cols[None, :]).astype(f32)  # (r, q)
         M = M + diag[None, :, :, None] * D.astype(f32)
     return M
+
+
+M1_DIRECT_ROWS = 32  # target rows per pass of the Mamba-1 direct form (bounds its backward's temporaries)
+
+
+def _m1_direct_chunked(A, delta, B, C, decay, rows, cols, mask):
+    """:func:`_m1_direct` over chunks of :data:`M1_DIRECT_ROWS` target rows, one after another, each
+    rematerialised under differentiation: the backward of one pass holds a (chunk, q, e, n) block of
+    exponentials, so a 64-row tile costs the backward what a 32-row tile did."""
+    r = rows.shape[0]
+    if r <= M1_DIRECT_ROWS or r % M1_DIRECT_ROWS:
+        return _m1_direct(A, delta, B, C, decay, rows, cols, mask)
+    n_chunks = r // M1_DIRECT_ROWS
+
+    @jax.checkpoint
+    def chunk(args):
+        rows_c, mask_c = args
+        return _m1_direct(A, delta, B, C, decay, rows_c, cols, mask_c)
+
+    parts = jax.lax.map(chunk, (rows.reshape(n_chunks, -1), mask.reshape(n_chunks, -1, mask.shape[1])))
+    parts = jnp.moveaxis(parts, 0, 1)  # (b, n_chunks, chunk, q, e)
+    return parts.reshape(parts.shape[0], r, *parts.shape[3:])
 
 
 def _m1_direct(A, delta, B, C, decay, rows, cols, mask):

@@ -400,6 +400,39 @@ def test_mamba1_far_pair_values_and_their_gradient_equal_the_near_form():
     assert rel(tiled, whole) < 1e-4
 
 
+def test_mamba1_direct_form_in_row_chunks_equals_one_pass(monkeypatch):
+    """The near tiles' direct form run in row chunks (hidden_attention.M1_DIRECT_ROWS, lowered to 4
+    here so 8- and 12-row blocks split; 6 rows do not divide and run in one pass) gives the one-pass
+    values and gradient; the default blocks of Mamba-1 are 32 x 32 below M1_LONG and 64 x 32 from
+    there."""
+    import latim_jax.hidden_attention as ha
+    from latim_jax.attribution import _layer_input
+    from latim_jax.decomposition import layer_factors
+    from latim_jax.scores import M1_LONG, layer_scores
+
+    model = make("m1", conv_bias=True)
+    t = jnp.asarray(tokens(length=24))
+    h, _ = _layer_input(model, t, 1, "xla")
+
+    def loss(h, blocks):
+        g = layer_factors(model, h, 1)
+        s = layer_scores(g, "l2", jnp.arange(24), blocks=blocks, impl="xla")
+        return jnp.sum(jnp.sin(s)), s
+
+    want, want_s = jax.grad(loss, has_aux=True)(h, Blocks(rows=24, cols=24))
+    monkeypatch.setattr(ha, "M1_DIRECT_ROWS", 4)
+    calls = []
+    chunked = ha._m1_direct_chunked
+    monkeypatch.setattr(ha, "_m1_direct_chunked", lambda *a: calls.append(a[5].shape[0]) or chunked(*a))
+    for blocks in (Blocks(rows=8, cols=8), Blocks(rows=12, cols=5), Blocks(rows=6, cols=6)):
+        got, got_s = jax.grad(loss, has_aux=True)(h, blocks)
+        assert rel(got_s, want_s) < TOL["fp32"] and rel(got, want) < 1e-4
+    assert {8, 12, 6} <= set(calls)
+    assert Blocks.for_layer(1, M1_LONG - 1) == Blocks(rows=32, cols=32)
+    assert Blocks.for_layer(1, M1_LONG) == Blocks(rows=64, cols=32)
+    assert Blocks.for_layer(1, 4096, n_rows=1) == Blocks(rows=1, cols=1024)
+
+
 def test_compensated_cumsum_keeps_short_segments_accurate_far_along_the_sequence():
     """S_i - S_t from the compensated cumulative sum equals float64 to fp32 relative accuracy
     of the segment itself, for short segments thousands of steps in (where S is ~1e3-1e4 times the
