@@ -45,9 +45,6 @@ AGGREGATIONS = ("minmax", "abs", "signed")
 DEFAULT_AGGREGATION = "minmax"
 
 
-M1_LONG = 1024  # Mamba-1 lengths from which the default blocks are 64 x 32 (Blocks.for_layer)
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Blocks:
     """Block sizes of the blocked score path (rows x source columns per step), positive ints."""
@@ -63,17 +60,15 @@ class Blocks:
 
     @classmethod
     def for_layer(cls, version: int, length: int, n_rows: int | None = None) -> Blocks:
-        """Defaults: 64 x 64 for Mamba-2; for Mamba-1 32 x 32 below L = :data:`M1_LONG` and 64 x 32
-        (rows x columns) from there. Mamba-1's blocks hold (r, q, e) values, not Mamba-2's (r, q, h):
-        at 130m shapes and L = 512, 32 x 32 is ~25% faster than 16 x 16 and as fast as 64 x 64. At long
-        L nearly every tile is a far tile (a product through the tile boundary), where 64 x 32 costs
-        ~14% less CPU per pair than 32 x 32 (64 x 64 ~18%, but its gradient holds 0.33 GiB more
-        temporaries at L = 1024-4096 against 64 x 32's 0.09); the near tiles' direct form runs in
-        32-row passes (hidden_attention.M1_DIRECT_ROWS). With few target rows (``n_rows``
-        below the square block's side) the row block shrinks to them and the column block grows to
-        keep the block's size: ``rows=[-1]`` does not pay for a whole row block."""
-        if version == 1 and length >= M1_LONG and (n_rows is None or n_rows >= 64):
-            return cls(rows=64, cols=32)
+        """Defaults: 64 x 64 for Mamba-2, 32 x 32 for Mamba-1 (its per-block values are (r, q, e), not
+        Mamba-2's (r, q, h); at 130m shapes and L = 512, 32 x 32 is ~25% faster than 16 x 16 and as
+        fast as 64 x 64). At long L, where nearly every tile is a far tile, 64 x 32 costs ~14% less CPU
+        per pair (one layer at 4096: 217-219 s against 233-246 s wall), but the gradient at L = 1024
+        then peaks at 3.2x the forward (0.917 / 0.286 GiB; 2.7x with 32 x 32), so it is not the
+        default; pass ``Blocks(rows=64, cols=32)`` for a forward-only run (the near tiles' direct form
+        runs in 32-row passes either way, hidden_attention.M1_DIRECT_ROWS). With few target rows
+        (``n_rows`` below the square block's side) the row block shrinks to them and the column block
+        grows to keep the block's size: ``rows=[-1]`` does not pay for a whole row block."""
         size = 64 if version == 2 else 32
         cap = max(8, 1 << (max(length, 1) - 1).bit_length())
         size = min(size, cap)
