@@ -65,6 +65,12 @@ def parse(argv=None):
     p.add_argument("--plain-max-length", type=int, default=512, help="torch-plain only up to this L")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument(
+        "--torch-runs",
+        type=int,
+        default=None,
+        help="timed torch calls after the first (default: --runs); 0 times torch's first call (it compiles nothing)",
+    )
     p.add_argument("--budget-s", type=float, default=60.0, help="stop timed runs once they took this long")
     p.add_argument("--cap-gib", type=float, default=20.0, help="kill a measurement above this RSS")
     p.add_argument("--timeout-s", type=float, default=3600.0)
@@ -144,7 +150,7 @@ def attribute_spec(args, impl, s, path, method, length, save):
         "length": length,
         "batch": args.batch,
         "seed": args.seed,
-        "runs": args.runs,
+        "runs": args.runs if impl == "latim-jax" or args.torch_runs is None else args.torch_runs,
         "budget_s": args.budget_s,
         "save": save,
         "torch_threads": args.torch_threads,

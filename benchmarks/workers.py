@@ -61,14 +61,15 @@ def timed(fn, runs: int, budget_s: float, sync):
 
 
 def summary(first, times, cpu, rss_load, reset_ok) -> dict:
-    """The common fields of a timing record."""
-    med = statistics.median(times) if times else None
+    """The common fields of a timing record. With no timed call (``runs`` = 0: torch on calls of
+    minutes, where there is nothing to compile) the first call is the time and ``compile_s`` is None."""
+    med = statistics.median(times) if times else first
     peak = _status_gib("VmHWM")
     return {
         "first_s": first,
         "times_s": times,
         "median_s": med,
-        "compile_s": None if med is None else max(first - med, 0.0),
+        "compile_s": max(first - med, 0.0) if times else None,
         "cpu_util": None if not times else cpu / sum(times),
         "rss_load_gib": rss_load,
         "peak_gib": peak,
