@@ -88,23 +88,27 @@ def safe_norm(x, axis):
 PRECISIONS = ("float32", "bfloat16")
 
 
-def project(V, W_out, precision: str = "float32"):
+def project(V, W_out, precision: str = "float32", channels_first: bool = False):
     """T = V @ W_out over e: (b, r, q, e) x (e, d) -> (b, r, q, d), the score path's dominant matrix
-    product; "bfloat16" rounds both operands to bf16 and accumulates in fp32 (matrix units)."""
+    product; "bfloat16" rounds both operands to bf16 and accumulates in fp32 (matrix units).
+    ``channels_first``: V is (b, e, r, q)."""
     if precision == "bfloat16":
         V, W_out = V.astype(jnp.bfloat16), W_out.astype(jnp.bfloat16)
-    return jnp.einsum("brje,ed->brjd", V, W_out, preferred_element_type=f32)
+    spec = "berj,ed->brjd" if channels_first else "brje,ed->brjd"
+    return jnp.einsum(spec, V, W_out, preferred_element_type=f32)
 
 
 def pair_score(f: LayerFactors, method: str, rows, j0, width, aux=None, precision: str = "float32"):
     """Scores of pairs (i in rows, j in [j0, j0 + width)): (b, r, width), unnormalised."""
-    V = pair_values(f, rows, j0, width)  # (b, r, width, e)
+    cf = f.version == 1  # Mamba-1's V channels first (see pair_values): ~4% faster per layer
+    V = pair_values(f, rows, j0, width, channels_first=cf)  # (b, r, width, e), or (b, e, r, width)
+    lg = "berj,bre->brj" if cf else "brje,bre->brj"
     if method == "logit":
-        return jnp.einsum("brje,bre->brj", V, aux[:, rows])
+        return jnp.einsum(lg, V, aux[:, rows])
     if method == "logit+alti":  # both from the same V: (b, r, width, 2)
-        logit = jnp.einsum("brje,bre->brj", V, aux[:, rows])
-        return jnp.stack([logit, _alti_raw(f, project(V, f.W_out, precision), rows, j0, width)], -1)
-    T = project(V, f.W_out, precision)
+        logit = jnp.einsum(lg, V, aux[:, rows])
+        return jnp.stack([logit, _alti_raw(f, project(V, f.W_out, precision, cf), rows, j0, width)], -1)
+    T = project(V, f.W_out, precision, cf)
     if method == "l2":
         return safe_norm(T, -1)
     if method == "l1":
