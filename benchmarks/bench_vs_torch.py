@@ -69,7 +69,7 @@ def parse(argv=None):
         "--torch-runs",
         type=int,
         default=None,
-        help="timed torch calls after the first (default: --runs); 0 times torch's first call (it compiles nothing)",
+        help="timed torch calls after the first (default --runs); 0: time the first (torch compiles nothing)",
     )
     p.add_argument("--budget-s", type=float, default=60.0, help="stop timed runs once they took this long")
     p.add_argument("--cap-gib", type=float, default=20.0, help="kill a measurement above this RSS")

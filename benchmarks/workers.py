@@ -256,7 +256,10 @@ def task_forward(spec):
 
 
 def task_matmul(spec):
-    """n x n matmul rate (GFLOP/s = 2 n^3 / median time) in jax or torch, float32 or bfloat16."""
+    """n x n matmul rate (GFLOP/s = 2 n^3 / median time) in jax or torch, float32 or bfloat16. jax's
+    bf16 product accumulates and returns fp32 (``preferred_element_type``), as the library's bf16
+    projection does: XLA:CPU's bf16-out product takes another, much slower path (242 against 1588
+    GFLOP/s on an AMX Xeon, 2026-12-01). torch's returns bf16 (it has no such option)."""
     n, dtype, reps = spec.get("n", 2048), spec["dtype"], spec.get("reps", 5)
     if spec["impl"] == "jax":
         import jax
@@ -265,7 +268,7 @@ def task_matmul(spec):
         dt = jnp.dtype(dtype)
         a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32).astype(dt)
         b = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.float32).astype(dt)
-        f = jax.jit(jnp.matmul)
+        f = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32))
 
         def fn():
             return f(a, b)

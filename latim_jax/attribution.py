@@ -28,6 +28,7 @@ from latim_jax.results import Attribution
 from latim_jax.scores import (
     AGGREGATIONS,
     DEFAULT_AGGREGATION,
+    LATIM_METHODS,
     METHODS,
     PRECISIONS,
     Blocks,
@@ -195,9 +196,12 @@ def attribute(
         norm, the pre-norm scale, and for "logit" the final norm's scale), i.e. the gradient of the
         decomposition's linear map; the values are the same either way. grad_input ignores it.
       precision: "float32" (default) or "bfloat16": the score path's projection onto W_out (its
-        dominant matrix product) with bf16 operands and fp32 accumulation - several times faster on
-        hardware with bf16 matrix units; scores then carry ~1e-3 relative error (the factors, the
-        hidden attention and every accumulation stay fp32; see the README for measured errors).
+        dominant matrix product) with bf16 operands and fp32 accumulation - faster where there are
+        bf16 matrix units (TPU, GPU, AMX CPUs; on CPUs without them no faster); the scores then carry
+        ~2e-3 error relative to their maximum (the factors, the hidden attention and every
+        accumulation stay fp32; README "Reduced precision" has the measurements). l2, l1, alti and
+        logit's ALTI maps use it; logit's own scores, hidden_attention and grad_input have no
+        projection and do not change. Recorded in ``Attribution.precision``.
       rollout_maps: "logit" only (other methods roll out their own maps and ignore it): also compute
         every layer's ALTI maps (``extra["alti"]``, (B, n_layers, L, L)) in the same pass, which
         :meth:`Attribution.rollout` needs for the logit input attribution. None (default): when every
@@ -353,6 +357,7 @@ def attribute(
             mask=None if user_mask is None and true_L < L else cut(keep(mask)),
             aggregation=aggregation if method == "hidden_attention" else None,
             top_k=top_k,
+            precision=precision if method in LATIM_METHODS else "float32",  # the others never project
         )
         if sink is not None:
             sink.finish(result.meta(), result.arrays())

@@ -211,6 +211,7 @@ def cmd_attribute(args):
             mode=args.mode,
             layers=layers,
             rows=rows,
+            precision=args.precision,
             **extra,
         )
     except TypeError as err:
@@ -343,6 +344,12 @@ def build_parser() -> Parser:
         default=None,
         choices=AGGREGATIONS,
         help="hidden_attention: how channels are reduced (default: the library's, minmax)",
+    )
+    a.add_argument(
+        "--precision",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="the score path's projection: bfloat16 = bf16 operands, fp32 accumulation (default float32)",
     )
     a.add_argument("--layers", default=None, help="layers to score, e.g. '0 3' (default all)")
     a.add_argument("--rows", default=None, help="target positions to score, e.g. '-1' (default all)")

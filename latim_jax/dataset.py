@@ -152,9 +152,10 @@ def make_batches(prompts: list[Prompt], batch_size: int) -> list[list[Prompt]]:
     return [ordered[i : i + batch_size] for i in range(0, len(ordered), batch_size)]
 
 
-def run_settings(model, *, method, mode, layers, rows, aggregation) -> dict:
-    """The settings that define a run (compared on resume)."""
-    return {
+def run_settings(model, *, method, mode, layers, rows, aggregation, precision="float32") -> dict:
+    """The settings that define a run (compared on resume; ``precision`` only when not fp32, so runs
+    written before it existed resume as they were)."""
+    settings = {
         "format": FORMAT,
         "model": getattr(model, "source", "") or "",
         "config": model.config.to_dict(),
@@ -164,6 +165,9 @@ def run_settings(model, *, method, mode, layers, rows, aggregation) -> dict:
         "rows": rows,
         "aggregation": aggregation if method == "hidden_attention" else None,
     }
+    if precision != "float32":
+        settings["precision"] = precision
+    return settings
 
 
 def prepare_output(out_dir, settings: dict) -> set[str]:
@@ -208,6 +212,7 @@ def write_shard(out_dir, process: int, number: int, prompts: list[Prompt], resul
         "rows": result.rows,
         "aggregation": result.aggregation,
         "model": result.model,
+        "precision": result.precision,
     }
     arrays = {}
     scores = np.asarray(result.scores)
@@ -290,6 +295,7 @@ class Results(Mapping):
                 rows=None if index["rows"] is None else tuple(index["rows"]),
                 model=index["model"],
                 aggregation=index["aggregation"],
+                precision=index.get("precision", "float32"),  # shards written before the field: fp32
             )
 
     def __iter__(self) -> Iterator[str]:
@@ -317,10 +323,12 @@ def attribute_dataset(
     batch_size: int = 8,
     aggregation: str = "minmax",
     impl: str = "auto",
+    precision: str = "float32",
     progress: bool | None = None,
 ) -> dict:
     """Attribute every prompt into ``out_dir`` (see the module docstring), skipping the ids already
     there. ``rows``: "all" or "last" (each prompt's own last token; stored with ``rows == (-1,)``).
+    ``precision``: as for :func:`latim_jax.attribute` (part of the run's settings).
     ``progress``: a bar on stderr (None: when stderr is a terminal). Returns counts
     {"total", "done_before", "computed", "shards"}."""
     import jax
@@ -330,9 +338,8 @@ def attribute_dataset(
 
     if rows not in ("all", "last"):
         raise DatasetError(f"rows must be 'all' or 'last', found {rows!r}")
-    settings = run_settings(
-        model, method=method, mode=mode, layers=layers, rows=rows, aggregation=aggregation
-    )
+    settings = run_settings(model, method=method, mode=mode, layers=layers, rows=rows,
+                            aggregation=aggregation, precision=precision)  # fmt: skip
     done = prepare_output(out_dir, settings)
     mine = [p for k, p in enumerate(prompts) if k % jax.process_count() == jax.process_index()]
     todo = [p for p in mine if p.id not in done]
@@ -341,6 +348,8 @@ def attribute_dataset(
     number = 1 + max((int(s.stem.rsplit("-", 1)[1]) for s in Path(out_dir).glob(f"shard-{process}-*.npz")),
                      default=0)  # fmt: skip
     computed = 0
+    options = dict(method=method, mode=mode, layers=layers, aggregation=aggregation, impl=impl)
+    options["precision"] = precision
     for batch in progress_bar(batches, desc="attribute-dataset", unit="batch", enabled=progress):
         length = bucket(max(len(p.tokens) for p in batch))
         tokens = np.zeros((len(batch), length), np.int32)
@@ -349,10 +358,9 @@ def attribute_dataset(
             tokens[b, : len(p.tokens)] = p.tokens
             mask[b, : len(p.tokens)] = True
         if rows == "last":
-            result = _last_rows(model, tokens, mask, batch, method, mode, layers, aggregation, impl)
+            result = _last_rows(model, tokens, mask, batch, options)
         else:
-            result = latim_jax.attribute(model, tokens, method=method, mode=mode, layers=layers, mask=mask,
-                                         aggregation=aggregation, impl=impl)  # fmt: skip
+            result = latim_jax.attribute(model, tokens, mask=mask, **options)
         write_shard(out_dir, process, number, batch, result)
         number += 1
         computed += len(batch)
@@ -364,9 +372,10 @@ def attribute_dataset(
     }
 
 
-def _last_rows(model, tokens, mask, batch, method, mode, layers, aggregation, impl) -> Attribution:
+def _last_rows(model, tokens, mask, batch, options: dict) -> Attribution:
     """Each prompt's own last row: one call per distinct last position in the batch (prompts of one
-    batch have nearly equal lengths), gathered into one Attribution with rows = (last,) per prompt."""
+    batch have nearly equal lengths), gathered into one Attribution with rows = (last,) per prompt.
+    ``options``: the keyword arguments of :func:`latim_jax.attribute` but rows and mask."""
     import jax.numpy as jnp
 
     import latim_jax
@@ -375,10 +384,7 @@ def _last_rows(model, tokens, mask, batch, method, mode, layers, aggregation, im
     scores, extras, first = [None] * len(batch), [None] * len(batch), None
     for position in sorted(set(last.tolist())):
         which = np.flatnonzero(last == position)
-        res = latim_jax.attribute(
-            model, tokens[which], method=method, mode=mode, layers=layers, rows=[position], mask=mask[which],
-            aggregation=aggregation, impl=impl,
-        )  # fmt: skip
+        res = latim_jax.attribute(model, tokens[which], rows=[position], mask=mask[which], **options)
         first = first or res
         for k, b in enumerate(which):
             scores[b] = res.scores[k]

@@ -47,6 +47,12 @@ def add_dataset_parser(sub, parents=()) -> None:
     p.add_argument("--max-length", type=positive_int, default=None, help="longer prompts are bad lines")
     p.add_argument("--on-bad-line", default="fail", choices=("skip", "fail"))
     p.add_argument("--impl", default="auto", choices=("auto", "xla", "pallas"))
+    p.add_argument(
+        "--precision",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="the score path's projection: bfloat16 = bf16 operands, fp32 accumulation (default float32)",
+    )
     p.set_defaults(func=_cmd_attribute_dataset)
 
 
@@ -79,6 +85,7 @@ def _cmd_attribute_dataset(args) -> None:
             batch_size=args.batch_size,
             aggregation=args.aggregation,
             impl=args.impl,
+            precision=args.precision,
         )
     except (DatasetError, ValueError) as err:
         raise UsageError(str(err)) from err

@@ -33,6 +33,8 @@ class Attribution:
     top_k: when set, ``scores`` are (B, n_layers, R, top_k), the strongest sources of each target row in
     decreasing order, and ``extra["sources"]`` (same shape, int32) their positions (-1 where a row has
     fewer sources than top_k, with score 0).
+    precision: the score path's projection as computed, "float32" or "bfloat16" (bf16 operands, fp32
+    accumulation; see :func:`latim_jax.attribute`).
     """
 
     scores: jax.Array
@@ -46,6 +48,7 @@ class Attribution:
     mask: jax.Array | None = None
     aggregation: str | None = dataclasses.field(default=None, metadata=dict(static=True))
     top_k: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+    precision: str = dataclasses.field(default="float32", metadata=dict(static=True))
 
     def check_finite(self) -> None:
         """Raise FloatingPointError naming the layers whose scores hold NaN/inf (concrete inputs only;
@@ -128,6 +131,7 @@ class Attribution:
             "extra_keys": sorted(self.extra),
             "aggregation": self.aggregation,
             "top_k": self.top_k,
+            "precision": self.precision,
             "has_tokens": self.tokens is not None,
             "has_mask": self.mask is not None,
         }
@@ -181,6 +185,7 @@ class Attribution:
             model=meta["model"],
             aggregation=meta.get("aggregation"),
             top_k=meta.get("top_k"),
+            precision=meta.get("precision", "float32"),  # files written before the field: fp32
         )
 
 

@@ -5,6 +5,8 @@ has it."""
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -131,3 +133,47 @@ def test_bfloat16_model_weights_and_bfloat16_projection_compose():
     fp32 = latim_jax.attribute(model, tokens(), method="alti").scores
     half = latim_jax.attribute(model, tokens(), method="alti", precision="bfloat16").scores
     assert half.dtype == fp32.dtype and 0 < rel(half, fp32) < 1e-2
+
+
+def test_precision_is_recorded_saved_and_part_of_a_dataset_run(tmp_path, monkeypatch, capsys):
+    from latim_jax.cli import main
+    from latim_jax.convert import save_checkpoint
+    from latim_jax.dataset import open_results
+
+    cfg = CONFIGS["m2"]
+    save_checkpoint(tmp_path / "m", cfg, init_params(cfg, seed=5))
+    model = latim_jax.load(tmp_path / "m")
+    monkeypatch.chdir(tmp_path)
+    ids = tokens(batch=1, length=9)[0].tolist()
+    half = latim_jax.attribute(model, np.asarray([ids]), method="alti", precision="bfloat16")
+    assert half.precision == "bfloat16"
+    assert latim_jax.attribute(
+        model, np.asarray([ids]), method="hidden_attention", precision="bfloat16"
+    ).precision == ("float32")  # no projection: nothing computed in bf16
+    # the CLI's --precision, and the file says what was computed
+    argv = ["attribute", "--model", "m", "--tokens", " ".join(map(str, ids)), "--method", "alti"]
+    assert main(argv + ["--precision", "bfloat16", "--out", "a.npz"]) == 0
+    saved = latim_jax.Attribution.load("a.npz")
+    assert saved.precision == "bfloat16"
+    np.testing.assert_array_equal(np.asarray(saved.scores), np.asarray(half.scores))
+    # attribute-dataset: results equal the direct bf16 call, carry the precision, and an fp32 run
+    # into the same directory is refused (the settings differ in precision)
+    (tmp_path / "p.jsonl").write_text(json.dumps({"id": "1", "tokens": ids}) + "\n")
+    run = [
+        "attribute-dataset",
+        "--model",
+        "m",
+        "--input",
+        "p.jsonl",
+        "--out",
+        "run",
+        "--method",
+        "alti",
+        "--quiet",
+    ]
+    assert main(run + ["--precision", "bfloat16"]) == 0
+    got = open_results("run")["1"]
+    assert got.precision == "bfloat16"
+    np.testing.assert_allclose(np.asarray(got.scores), np.asarray(half.scores), rtol=2e-5, atol=1e-6)
+    capsys.readouterr()
+    assert main(run) == 2 and "precision" in capsys.readouterr().err
