@@ -30,6 +30,10 @@ nice -n 10 python benchmarks/bench_vs_torch.py              # full run (hours; s
 # scaling: time/memory vs L and batch, largest L under a cap, last-row cost, compile time vs depth
 python benchmarks/bench_scaling.py --quick
 nice -n 10 python benchmarks/bench_scaling.py
+# fp32 vs precision="bfloat16" (the bf16 projection), one layer per version (~6 min)
+python benchmarks/bench_precision.py
+# one layer's full matrix at L = 4096 (the 2 / 3 minute targets)
+python benchmarks/one_layer_time.py 2 4096
 # this file
 python benchmarks/report.py
 # the PyTorch baseline equals latim-jax (every method, both modes, both versions)
