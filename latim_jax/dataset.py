@@ -338,6 +338,8 @@ def attribute_dataset(
 
     if rows not in ("all", "last"):
         raise DatasetError(f"rows must be 'all' or 'last', found {rows!r}")
+    if precision not in ("float32", "bfloat16"):  # before run.json is written
+        raise DatasetError(f"precision must be 'float32' or 'bfloat16', found {precision!r}")
     settings = run_settings(model, method=method, mode=mode, layers=layers, rows=rows,
                             aggregation=aggregation, precision=precision)  # fmt: skip
     done = prepare_output(out_dir, settings)

@@ -177,3 +177,9 @@ def test_precision_is_recorded_saved_and_part_of_a_dataset_run(tmp_path, monkeyp
     np.testing.assert_allclose(np.asarray(got.scores), np.asarray(half.scores), rtol=2e-5, atol=1e-6)
     capsys.readouterr()
     assert main(run) == 2 and "precision" in capsys.readouterr().err
+    # a bad precision is refused before anything is written
+    from latim_jax.dataset import DatasetError, attribute_dataset, read_prompts
+
+    with pytest.raises(DatasetError, match="precision must be"):
+        attribute_dataset(model, read_prompts("p.jsonl", vocab_size=32), tmp_path / "new", precision="fp16")
+    assert not (tmp_path / "new").exists()
