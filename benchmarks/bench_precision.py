@@ -27,6 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_vs_torch as vs  # noqa: E402
+import floor  # noqa: E402
 import harness as H  # noqa: E402
 
 PRECISIONS = ("float32", "bfloat16")
@@ -141,10 +142,7 @@ def main(argv=None) -> None:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     result["rates_end"] = jax_rates(args.matmul_n)
-    result["rates"] = {
-        k: max((v for v in (result["rates_start"][k], result["rates_end"][k]) if v), default=None)
-        for k in result["rates_start"]
-    }
+    result["rates"] = floor.best_rates(result["rates_start"], result["rates_end"])
     result["finished"] = H.now()
     H.write_json(args.out, result)
     text = tables(result)

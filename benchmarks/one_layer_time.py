@@ -23,6 +23,7 @@ from shapes import shape  # noqa: E402
 import latim_jax  # noqa: E402
 from latim_jax.init import init_params  # noqa: E402
 from latim_jax.memory import estimate as memory_estimate  # noqa: E402
+from latim_jax.scores import PRECISIONS  # noqa: E402
 
 
 def positive_int(text: str) -> int:
@@ -38,7 +39,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("version", type=int, choices=(1, 2), help="Mamba version")
     p.add_argument("length", type=positive_int, help="prompt length L")
-    p.add_argument("--precision", default="float32", choices=("float32", "bfloat16"), help="the projection")
+    p.add_argument("--precision", default="float32", choices=PRECISIONS, help="the projection")
     args = p.parse_args(argv)
     version, length = args.version, args.length
     cfg = latim_jax.MambaConfig(**shape("130m", version, n_layers=1))

@@ -37,6 +37,7 @@ __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "RunFailed", "UsageError", "b
 METHODS = ("l2", "l1", "alti", "logit", "hidden_attention", "grad_input")
 MODES = ("exact", "paper")
 AGGREGATIONS = ("minmax", "abs", "signed")
+PRECISIONS = ("float32", "bfloat16")
 DTYPES = ("float32", "bfloat16", "float16")
 CHECK_TOLERANCE = 1e-4
 
@@ -348,7 +349,7 @@ def build_parser() -> Parser:
     a.add_argument(
         "--precision",
         default="float32",
-        choices=("float32", "bfloat16"),
+        choices=PRECISIONS,
         help="the score path's projection: bfloat16 = bf16 operands, fp32 accumulation (default float32)",
     )
     a.add_argument("--layers", default=None, help="layers to score, e.g. '0 3' (default all)")

@@ -335,11 +335,12 @@ def attribute_dataset(
 
     import latim_jax
     from latim_jax.progress import progress as progress_bar
+    from latim_jax.scores import PRECISIONS
 
     if rows not in ("all", "last"):
         raise DatasetError(f"rows must be 'all' or 'last', found {rows!r}")
-    if precision not in ("float32", "bfloat16"):  # before run.json is written
-        raise DatasetError(f"precision must be 'float32' or 'bfloat16', found {precision!r}")
+    if precision not in PRECISIONS:  # before run.json is written
+        raise DatasetError(f"precision must be one of {PRECISIONS}, found {precision!r}")
     settings = run_settings(model, method=method, mode=mode, layers=layers, rows=rows,
                             aggregation=aggregation, precision=precision)  # fmt: skip
     done = prepare_output(out_dir, settings)
@@ -350,8 +351,9 @@ def attribute_dataset(
     number = 1 + max((int(s.stem.rsplit("-", 1)[1]) for s in Path(out_dir).glob(f"shard-{process}-*.npz")),
                      default=0)  # fmt: skip
     computed = 0
-    options = dict(method=method, mode=mode, layers=layers, aggregation=aggregation, impl=impl)
-    options["precision"] = precision
+    options = dict(
+        method=method, mode=mode, layers=layers, aggregation=aggregation, impl=impl, precision=precision
+    )
     for batch in progress_bar(batches, desc="attribute-dataset", unit="batch", enabled=progress):
         length = bucket(max(len(p.tokens) for p in batch))
         tokens = np.zeros((len(batch), length), np.int32)

@@ -22,7 +22,7 @@ def model_tokenizer(model):
 def add_dataset_parser(sub, parents=()) -> None:
     """Register ``latim-jax attribute-dataset`` on the CLI's subparsers."""
     from latim_jax.cli_args import positive_int
-    from latim_jax.scores import AGGREGATIONS, METHODS
+    from latim_jax.scores import AGGREGATIONS, METHODS, PRECISIONS
 
     p = sub.add_parser(
         "attribute-dataset",
@@ -50,7 +50,7 @@ def add_dataset_parser(sub, parents=()) -> None:
     p.add_argument(
         "--precision",
         default="float32",
-        choices=("float32", "bfloat16"),
+        choices=PRECISIONS,
         help="the score path's projection: bfloat16 = bf16 operands, fp32 accumulation (default float32)",
     )
     p.set_defaults(func=_cmd_attribute_dataset)

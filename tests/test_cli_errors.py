@@ -59,9 +59,9 @@ def test_exit_codes_are_documented_in_help(capsys):
 
 def test_choices_equal_the_api(capsys):
     from latim_jax.decomposition import MODES
-    from latim_jax.scores import METHODS
+    from latim_jax.scores import METHODS, PRECISIONS
 
-    assert cli.METHODS == METHODS and cli.MODES == MODES
+    assert cli.METHODS == METHODS and cli.MODES == MODES and cli.PRECISIONS == PRECISIONS
     for argv, name in [
         (["attribute", "--method", "nope"], "--method"),
         (["attribute", "--mode", "approx"], "--mode"),
