@@ -2,13 +2,14 @@
 
 Public API: :func:`load`, :func:`attribute`, :func:`contributions`, :func:`conservation_error`,
 :class:`Attribution`, :class:`MambaConfig`, :class:`MambaLM`, :func:`shard` (lay a model out on a device
-mesh; see :mod:`latim_jax.sharding`).
+mesh; see :mod:`latim_jax.sharding`), :func:`open_results` (read an attribute-dataset run).
 """
 
 __version__ = "0.1.0"
 
 from latim_jax.attribution import attribute, conservation_error, contributions  # noqa: E402
 from latim_jax.config import MambaConfig  # noqa: E402
+from latim_jax.dataset import open_results  # noqa: E402
 from latim_jax.loading import load  # noqa: E402
 from latim_jax.model import MambaLM  # noqa: E402
 from latim_jax.results import Attribution  # noqa: E402
@@ -22,6 +23,7 @@ __all__ = [
     "conservation_error",
     "contributions",
     "load",
+    "open_results",
     "shard",
     "__version__",
 ]

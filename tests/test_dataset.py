@@ -89,7 +89,8 @@ def test_text_file_run_equals_direct_attribution(ckpt, tmp_path, monkeypatch, ca
     for rows in ("all", "last"):
         argv = ["attribute-dataset", "--model", str(ckpt), "--input", "prompts.txt", "--out", f"run-{rows}"]
         assert main(argv + ["--rows", rows, "--batch-size", "2", "--method", "logit", "--quiet"]) == 0
-        results = open_results(f"run-{rows}")
+        results = latim_jax.open_results(f"run-{rows}")  # the README's spelling: the package exports it
+        assert latim_jax.open_results is open_results
         assert len(results) == 3 and sorted(results) == ["1", "2", "3"]
         model = latim_jax.load(ckpt)
         for pid, text in zip(("1", "2", "3"), open("prompts.txt").read().splitlines(), strict=True):
