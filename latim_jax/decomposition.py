@@ -101,8 +101,8 @@ def block_factors(
     """
     check_mode(mode)
     mixer, cfg = block.mixer, block.config
-    xhat = block.normed(h, hold_fixed=hold_fixed)
-    inter = mixer.intermediates(xhat, mask=mask, impl=impl, hold_fixed=hold_fixed)
+    xz = block.projected(h, hold_fixed=hold_fixed)
+    inter = mixer.intermediates(mask=mask, impl=impl, hold_fixed=hold_fixed, projected=xz)
     e, K = cfg.d_inner, cfg.d_conv
     valid = jnp.ones(h.shape[:2] + (1,), f32) if mask is None else mask[..., None].astype(f32)
     w_lag = mixer.conv_w[...].astype(f32)[::-1, :e]  # (K, e): w_k multiplies u_{t-k}

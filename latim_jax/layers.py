@@ -5,6 +5,8 @@ Every function keeps the math that the reference keeps in fp32 in fp32 and retur
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -19,6 +21,31 @@ def rms_norm(x, w, eps, *, hold_scale=False):
     if hold_scale:
         scale = jax.lax.stop_gradient(scale)
     return x * scale * w.astype(f32)
+
+
+# From this many rows on, normed_linear applies the norm after the product (see there).
+FOLD_MIN_ROWS = 4096
+
+
+def normed_linear(x, g, w, eps, b=None, *, hold_scale=False):
+    """linear(RMSNorm(x) with gain g, w, b): x (..., d), g (d,), w (d, o); returns fp32 (..., o).
+
+    With fp32 weights and at least ``FOLD_MIN_ROWS`` rows, the gain is folded into w and the row scale
+    rsqrt(mean(x^2) + eps) multiplies the product's output: (x * s * g) @ w = s * (x @ (g w)), the
+    same value to fp32 rounding (~1e-6 relative). XLA:CPU fuses the norm into the product's operand
+    otherwise, which runs ~1.5x slower than a plain product once the operand outgrows the cache (480
+    vs 310 ms at 16384 x 768 @ 768 x 3352; faster below ~4k rows). Other weight dtypes keep the
+    reference's rounding point: the normalised input is rounded to g's dtype before the product.
+    ``hold_scale``: the row scale without gradient (as in :func:`rms_norm`)."""
+    rows = math.prod(x.shape[:-1])
+    if g.dtype != f32 or w.dtype != f32 or rows < FOLD_MIN_ROWS:
+        return linear(rms_norm(x, g, eps, hold_scale=hold_scale).astype(g.dtype), w, b)
+    x = x.astype(f32)
+    scale = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    if hold_scale:
+        scale = jax.lax.stop_gradient(scale)
+    y = jnp.matmul(x, g[:, None] * w, preferred_element_type=f32) * scale
+    return y if b is None else y + b.astype(f32)
 
 
 def group_rms(q, n_groups, eps):

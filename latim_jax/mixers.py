@@ -87,10 +87,26 @@ class _Mixer(nnx.Module):
         """A = -exp(A_log) in fp32: (e, n) Mamba-1, (h,) Mamba-2."""
         return -jnp.exp(self.A_log[...].astype(f32))
 
-    def __call__(self, x, *, mask=None, impl="auto"):
-        """Mixer output o (b, l, d) fp32 for the normalised input x (b, l, d); ``mask`` (b, l) bool of
-        valid positions (None: all valid)."""
-        return self.output(self.intermediates(x, mask=mask, impl=impl))
+    def __call__(self, x=None, *, mask=None, impl="auto", projected=None):
+        """Mixer output o (b, l, d) fp32 for the normalised input x (b, l, d) (or ``projected``, its
+        in_proj output, see :meth:`intermediates`); ``mask`` (b, l) bool of valid positions (None: all
+        valid)."""
+        return self.output(self.intermediates(x, mask=mask, impl=impl, projected=projected))
+
+    def in_projection(self, x):
+        """in_proj's output (b, l, in_width) fp32 for the normalised input x (b, l, d)."""
+        return linear(x, self.in_proj[...], self._get("in_proj_b"))
+
+    def split_in_proj(self, x):
+        """The in_proj output of x split into its parts (see :meth:`split_projection`)."""
+        return self.split_projection(self.in_projection(x))
+
+    def _projection(self, x, projected):
+        """in_proj's output: ``projected`` when given (the caller computed it, e.g. a Block with its
+        norm folded in: :func:`latim_jax.layers.normed_linear`), else that of x."""
+        if (x is None) == (projected is None):
+            raise ValueError("pass exactly one of x (the normalised input) and projected (in_proj(x))")
+        return self.in_projection(x) if projected is None else projected
 
     def output(self, inter: Intermediates):
         """o = (y * G) @ W_out (+ b_out)."""
@@ -107,9 +123,8 @@ class _Mixer(nnx.Module):
 class Mamba1Mixer(_Mixer):
     """The Mamba-1 selective-scan mixer (reference semantics of transformers' MambaMixer)."""
 
-    def split_in_proj(self, x):
-        """x (b, l, d) -> u, z (b, l, e) fp32."""
-        xz = linear(x, self.in_proj[...], self._get("in_proj_b"))
+    def split_projection(self, xz):
+        """in_proj output (b, l, 2e) -> u, z (b, l, e) fp32."""
         e = self.config.d_inner
         return xz[..., :e], xz[..., e:]
 
@@ -121,11 +136,14 @@ class Mamba1Mixer(_Mixer):
         delta = jax.nn.softplus(linear(dt_low, self.dt_proj[...]) + self.dt_bias[...].astype(f32))
         return delta, B, C
 
-    def intermediates(self, x, *, mask=None, impl="auto", hold_fixed=False) -> Intermediates:
-        """All per-layer quantities for the input x (b, l, d); padding (``mask`` False) is skipped.
-        ``hold_fixed``: the same values, but no gradient through Delta, B, C, the activation's gate
-        and the output gate (the quantities LaTIM holds fixed): the layer is then linear in u."""
-        u, z = self.split_in_proj(x)
+    def intermediates(
+        self, x=None, *, mask=None, impl="auto", hold_fixed=False, projected=None
+    ) -> Intermediates:
+        """All per-layer quantities for the input x (b, l, d), or for ``projected``, x's in_proj output
+        (b, l, 2e) when the caller has it; padding (``mask`` False) is skipped. ``hold_fixed``: the
+        same values, but no gradient through Delta, B, C, the activation's gate and the output gate
+        (the quantities LaTIM holds fixed): the layer is then linear in u."""
+        u, z = self.split_projection(self._projection(x, projected))
         u = self.conv_input(u, mask)
         c = causal_conv(u, self.conv_w[...], self._get("conv_b"))
         v = _value_activation(self.config.activation, c, hold_fixed)
@@ -161,10 +179,9 @@ class Mamba1Mixer(_Mixer):
 class Mamba2Mixer(_Mixer):
     """The Mamba-2 SSD mixer with grouped gated RMSNorm (transformers' Mamba2Mixer semantics)."""
 
-    def split_in_proj(self, x):
-        """x (b, l, d) -> z (b, l, e), xBC (b, l, e+2gn), dt (b, l, h), fp32."""
+    def split_projection(self, zxbcdt):
+        """in_proj output (b, l, 2e+2gn+h) -> z (b, l, e), xBC (b, l, e+2gn), dt (b, l, h), fp32."""
         c = self.config
-        zxbcdt = linear(x, self.in_proj[...], self._get("in_proj_b"))
         e = c.d_inner
         return zxbcdt[..., :e], zxbcdt[..., e : e + c.conv_dim], zxbcdt[..., e + c.conv_dim :]
 
@@ -189,11 +206,14 @@ class Mamba2Mixer(_Mixer):
         g = jax.nn.silu(z)
         return self.norm_w[...].astype(f32) * g / group_rms(y * g, c.n_groups, c.rms_eps)
 
-    def intermediates(self, x, *, mask=None, impl="auto", hold_fixed=False) -> Intermediates:
-        """All per-layer quantities for the input x (b, l, d); padding (``mask`` False) is skipped.
-        ``hold_fixed``: no gradient through Delta, B, C, the activation's gate and G (see Mamba-1)."""
+    def intermediates(
+        self, x=None, *, mask=None, impl="auto", hold_fixed=False, projected=None
+    ) -> Intermediates:
+        """All per-layer quantities for the input x (b, l, d), or for ``projected``, its in_proj output
+        (see Mamba-1); padding (``mask`` False) is skipped. ``hold_fixed``: no gradient through
+        Delta, B, C, the activation's gate and G (see Mamba-1)."""
         c = self.config
-        z, u, dt = self.split_in_proj(x)
+        z, u, dt = self.split_projection(self._projection(x, projected))
         u = self.conv_input(u, mask)
         conv = causal_conv(u, self.conv_w[...], self._get("conv_b"))
         v = _value_activation(c.activation, conv, hold_fixed)

@@ -17,7 +17,7 @@ from flax import nnx
 from latim_jax.config import MambaConfig, param_shapes
 from latim_jax.inputs import check_embeds, check_mask, check_tokens
 from latim_jax.jit import jit_model_fn
-from latim_jax.layers import f32, rms_norm
+from latim_jax.layers import f32, normed_linear, rms_norm
 from latim_jax.mixers import make_mixer
 
 
@@ -59,9 +59,18 @@ class Block(nnx.Module):
         w = self.norm[...]
         return rms_norm(h, w, self.config.rms_eps, hold_scale=hold_fixed).astype(w.dtype)
 
+    def projected(self, h, *, hold_fixed=False):
+        """The mixer's in_proj output for xhat = RMSNorm(h), (b, l, in_width) fp32: equal to
+        ``mixer.in_projection(self.normed(h))`` (bitwise below ``FOLD_MIN_ROWS`` rows or for non-fp32
+        weights, to fp32 rounding above: :func:`latim_jax.layers.normed_linear`)."""
+        m = self.mixer
+        return normed_linear(
+            h, self.norm[...], m.in_proj[...], self.config.rms_eps, m._get("in_proj_b"), hold_scale=hold_fixed
+        )
+
     def __call__(self, h, *, mask=None, impl="auto"):
         """h (b, l, d) fp32 -> h + o; ``mask`` (b, l) bool of valid positions (None: all)."""
-        return h.astype(f32) + self.mixer(self.normed(h), mask=mask, impl=impl)
+        return h.astype(f32) + self.mixer(mask=mask, impl=impl, projected=self.projected(h))
 
 
 class MambaLM(nnx.Module):

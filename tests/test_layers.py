@@ -1,0 +1,97 @@
+"""latim_jax.layers.normed_linear: the RMSNorm folded past in_proj (long inputs) against a float64 numpy
+RMSNorm-then-product, and against the unfolded form in value and gradient (jax only)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import rel_err
+
+from latim_jax import layers
+from latim_jax.layers import linear, normed_linear, rms_norm
+
+EPS = 1e-5
+
+
+def _operands(rows=6, d=16, o=24, seed=0):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((2, rows, d)) * 3, jnp.float32)
+    g = jnp.asarray(1 + 0.3 * rng.standard_normal(d), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((d, o)) / 4, jnp.float32)
+    b = jnp.asarray(rng.standard_normal(o), jnp.float32)
+    return x, g, w, b
+
+
+def _reference(x, g, w, b):
+    x, g, w, b = (np.asarray(a, np.float64) for a in (x, g, w, b))
+    return (x / np.sqrt((x * x).mean(-1, keepdims=True) + EPS) * g) @ w + b
+
+
+@pytest.fixture
+def folded(monkeypatch):
+    """normed_linear takes the folded branch at any length (fresh traces: the calls here are not jitted)."""
+    monkeypatch.setattr(layers, "FOLD_MIN_ROWS", 1)
+
+
+@pytest.mark.parametrize("fold", [False, True], ids=["operand", "folded"])
+def test_normed_linear_equals_float64_norm_then_product(fold, monkeypatch):
+    monkeypatch.setattr(layers, "FOLD_MIN_ROWS", 1 if fold else 10**9)
+    x, g, w, b = _operands()
+    assert rel_err(normed_linear(x, g, w, EPS, b), _reference(x, g, w, b)) < 2e-6
+    assert rel_err(normed_linear(x, g, w, EPS), _reference(x, g, w, np.zeros(w.shape[1]))) < 2e-6
+
+
+def test_below_the_threshold_it_is_the_fused_form_bitwise():
+    x, g, w, b = _operands()
+    assert x.shape[0] * x.shape[1] < layers.FOLD_MIN_ROWS
+    np.testing.assert_array_equal(normed_linear(x, g, w, EPS, b), linear(rms_norm(x, g, EPS), w, b))
+
+
+@pytest.mark.parametrize("hold", [False, True], ids=["free", "held"])
+def test_folded_gradients_equal_the_fused_form(hold, monkeypatch):
+    x, g, w, b = _operands()
+    r = jnp.asarray(np.random.default_rng(1).standard_normal((2, 6, 24)), jnp.float32)
+
+    def loss(x, g, w, b):
+        return jnp.sum(r * normed_linear(x, g, w, EPS, b, hold_scale=hold))
+
+    monkeypatch.setattr(layers, "FOLD_MIN_ROWS", 10**9)
+    want = jax.grad(loss, argnums=(0, 1, 2, 3))(x, g, w, b)
+    monkeypatch.setattr(layers, "FOLD_MIN_ROWS", 1)
+    got = jax.grad(loss, argnums=(0, 1, 2, 3))(x, g, w, b)
+    for name, a, e in zip("xgwb", got, want, strict=True):
+        assert rel_err(a, e) < 1e-5, name
+    if hold:  # the held scale changes d/dx: a folded branch that dropped stop_gradient would fail
+        free = jax.grad(lambda x: jnp.sum(r * normed_linear(x, g, w, EPS, b)))(x)
+        assert rel_err(free, got[0]) > 1e-2
+
+
+def test_bf16_weights_keep_the_reference_rounding_point(folded):
+    x, g, w, b = _operands()
+    g16, w16 = g.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    want = linear(rms_norm(x, g16, EPS).astype(jnp.bfloat16), w16, b)  # normalised input rounded first
+    np.testing.assert_array_equal(normed_linear(x, g16, w16, EPS, b), want)
+
+
+def test_model_forward_and_conservation_hold_with_the_norm_folded(folded):
+    import latim_jax
+    from latim_jax.config import MambaConfig
+    from latim_jax.init import init_params
+
+    for version in (1, 2):
+        extra = {"head_dim": 4, "chunk_size": 8} if version == 2 else {}
+        cfg = MambaConfig(version=version, d_model=16, n_layers=2, vocab_size=40, d_state=4, **extra)
+        model = latim_jax.MambaLM(cfg, init_params(cfg, 3))
+        tokens = np.random.default_rng(0).integers(0, 40, (1, 19))  # a length no other test traces
+        logits = model(tokens)
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(layers, "FOLD_MIN_ROWS", 10**9)
+            jax.clear_caches()
+            fused = model(tokens)
+        jax.clear_caches()
+        assert rel_err(logits, fused) < 1e-5
+        assert not np.array_equal(np.asarray(logits), np.asarray(fused))  # the two branches both ran
+        for layer in range(2):
+            assert latim_jax.conservation_error(model, tokens, layer) < 1e-5
