@@ -67,7 +67,6 @@ def test_exact_mode_conserves_transformers_mixer_output(case):
         assert latim_jax.conservation_error(model, tokens, layer, mode="paper") > 1e-3
 
 
-
 def test_folded_norm_keeps_torch_parity(case, monkeypatch):
     """Long inputs fold the pre-norm past in_proj (latim_jax.layers.normed_linear): forced here at L = 11,
     the contributions still match the float64 reference and conserve transformers' mixer output."""
@@ -89,6 +88,7 @@ def test_folded_norm_keeps_torch_parity(case, monkeypatch):
             assert rel_err(got.T.sum(2) + got.bias, rec["o"].numpy()) < TOL["conservation"], (name, layer)
     finally:
         jax.clear_caches()
+
 
 def _direction(ref, h_final, logits, b):
     target = logits[b].argmax(-1)
