@@ -95,3 +95,18 @@ def test_model_forward_and_conservation_hold_with_the_norm_folded(folded):
         assert not np.array_equal(np.asarray(logits), np.asarray(fused))  # the two branches both ran
         for layer in range(2):
             assert latim_jax.conservation_error(model, tokens, layer) < 1e-5
+
+
+def test_mixer_takes_exactly_one_of_input_and_projection():
+    import latim_jax
+    from latim_jax.config import MambaConfig
+    from latim_jax.init import init_params
+
+    cfg = MambaConfig(version=2, d_model=16, n_layers=1, vocab_size=40, d_state=4, head_dim=4, chunk_size=8)
+    block = latim_jax.MambaLM(cfg, init_params(cfg, 0)).layers[0]
+    h = jnp.asarray(np.random.default_rng(0).standard_normal((1, 5, 16)), jnp.float32)
+    xz = block.projected(h)
+    np.testing.assert_array_equal(block.mixer(projected=xz), block.mixer(block.normed(h)))  # short: bitwise
+    for kwargs in ({}, {"x": block.normed(h), "projected": xz}):
+        with pytest.raises(ValueError, match="exactly one of x"):
+            block.mixer(**kwargs)
