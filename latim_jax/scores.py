@@ -128,10 +128,13 @@ def _alti_raw(f: LayerFactors, T, rows, j0, width):
     return jnp.maximum(0.0, jnp.sum(gain, -1))
 
 
-def blocked(fn, rows, length, blocks: Blocks, out_tail=()):
+def blocked(fn, rows, length, blocks: Blocks, out_tail=(), *, neutral=None):
     """Evaluate fn(rows_block, j0) -> (b, block_rows, block_cols, *out_tail) over all causal blocks.
 
-    Returns (b, len(rows), length, *out_tail); blocks above the diagonal are not computed. One flat
+    Returns (b, len(rows), length, *out_tail); blocks above the diagonal are not computed. With
+    ``neutral`` (a pytree of small arrays), fn returns (block, extras) with extras shaped like
+    neutral, a skipped block gives ``neutral``, and the result is (out, extras stacked over the
+    (n_row_blocks * n_col_blocks) blocks) for the caller to reduce. One flat
     loop over (row block, column block) pairs, each rematerialised under differentiation
     (jax.checkpoint): the backward pass recomputes a block's intermediates instead of saving every
     block's, so a gradient holds O(output + one block), like the forward. Flat rather than nested
@@ -152,15 +155,23 @@ def blocked(fn, rows, length, blocks: Blocks, out_tail=()):
             return fn(rb, j0)
 
         shape = jax.eval_shape(compute, None)
-        return jax.lax.cond(j0 <= jnp.max(rb), compute, lambda _: jnp.zeros(shape.shape, shape.dtype), None)
+
+        def skip(_):
+            if neutral is None:
+                return jnp.zeros(shape.shape, shape.dtype)
+            return jnp.zeros(shape[0].shape, shape[0].dtype), neutral
+
+        return jax.lax.cond(j0 <= jnp.max(rb), compute, skip, None)
 
     ri = jnp.repeat(jnp.arange(n_rb), n_cb)
     j0 = jnp.tile(jnp.arange(n_cb) * blocks.cols, n_rb)
     out = jax.lax.map(pair, (ri, j0))  # (n_rb * n_cb, b, br, bc, ...)
+    out, extras = (out, None) if neutral is None else out
     out = out.reshape(n_rb, n_cb, *out.shape[1:])
     out = jnp.moveaxis(out, 2, 0)  # (b, n_rb, n_cb, br, bc, ...)
     out = jnp.swapaxes(out, 2, 3).reshape(out.shape[0], n_rb * blocks.rows, n_cb * blocks.cols, *out_tail)
-    return out[:, : rows.shape[0], :length]
+    out = out[:, : rows.shape[0], :length]
+    return out if neutral is None else (out, extras)
 
 
 def padded_row_blocks(rows, blocks: Blocks):
@@ -350,12 +361,49 @@ def hidden_attention_scores(f: LayerFactors, rows, *, mask=None, blocks: Blocks,
         M = _hidden_attention(f, rb, j0, blocks.cols)  # (b, r, q, c)
         return jnp.mean(jnp.abs(M) if aggregation == "abs" else M, axis=-1)
 
-    s = blocked(pair, rows, f.length, blocks)
-    if aggregation != "minmax":
-        return s
-    lo, hi = hidden_attention_range(f, mask=mask, blocks=Blocks.for_layer(f.version, f.length))  # (b,) each
+    if aggregation == "minmax" and f.version == 2:  # the map and its range from the same blocks
+        s, lo, hi = _m2_mean_and_range(f, rows, mask, blocks)
+    else:
+        s = blocked(pair, rows, f.length, blocks)
+        if aggregation != "minmax":
+            return s
+        lo, hi = hidden_attention_range(f, mask=mask, blocks=Blocks.for_layer(f.version, f.length))
     span = (hi - lo)[:, None, None]
     return jnp.where(span > 0, (s - lo[:, None, None]) / jnp.where(span > 0, span, 1.0), 1.0)
+
+
+def _m2_mean_and_range(f: LayerFactors, rows, mask, blocks: Blocks):
+    """Mamba-2's mean map (b, r, l) over ``rows`` and the (min, max) (b,) of M without D that minmax
+    normalises by, from one blocked pass: each block's M also gives its min and max over the kept
+    pairs (as :func:`hidden_attention_range` keeps them). When ``rows`` do not reach every position
+    (a row subset, or a device's share of the rows), those blocks miss part of the triangle and the
+    separate range pass runs instead (a cond: one of the two executes)."""
+    length, b = f.length, f.delta.shape[0]
+    valid = jnp.ones((b, length), bool) if mask is None else mask
+    valid_cols = jnp.pad(valid, ((0, 0), (0, blocks.cols)))  # a column block may run past the end
+
+    def pair(rb, j0):
+        M = _hidden_attention(f, rb, j0, blocks.cols)  # (b, r, q, h); rb are real positions
+        cols = j0 + jnp.arange(blocks.cols)
+        keep = (cols[None, :] <= rb[:, None]) & (cols[None, :] < length)
+        keep = (
+            keep[None]
+            & valid[:, rb, None]
+            & jax.lax.dynamic_slice_in_dim(valid_cols, j0, blocks.cols, 1)[:, None]
+        )
+        lo = jnp.min(jnp.where(keep[..., None], M, jnp.inf), axis=(1, 2, 3))
+        hi = jnp.max(jnp.where(keep[..., None], M, -jnp.inf), axis=(1, 2, 3))
+        return jnp.mean(M, axis=-1), (lo, hi)
+
+    neutral = (jnp.full((b,), jnp.inf, f32), jnp.full((b,), -jnp.inf, f32))
+    s, (lo, hi) = blocked(pair, rows, length, blocks, neutral=neutral)
+    every_row = jnp.all(jnp.zeros((length,), bool).at[rows].set(True))
+    lo, hi = jax.lax.cond(
+        every_row,
+        lambda: (jnp.min(lo, axis=0), jnp.max(hi, axis=0)),
+        lambda: hidden_attention_range(f, mask=mask, blocks=Blocks.for_layer(f.version, length)),
+    )
+    return s, lo, hi
 
 
 def hidden_attention_range(f: LayerFactors, *, mask=None, blocks: Blocks):

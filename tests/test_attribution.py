@@ -131,6 +131,41 @@ def test_hidden_attention_aggregations(name):
 
 
 @pytest.mark.parametrize("name", ["m1", "m2"])
+def test_minmax_range_keeps_only_real_causal_pairs(name):
+    """The range minmax divides by: the min and max of M over causal pairs whose two positions are both
+    real, from the separate range pass and (Mamba-2) from the map's own blocks, against numpy on the
+    full M. The mask here marks positions the factors did not skip, so M is large outside it."""
+    from latim_jax.attribution import _layer_input
+    from latim_jax.decomposition import layer_factors
+    from latim_jax.hidden_attention import full_hidden_attention
+    from latim_jax.scores import _m2_mean_and_range, hidden_attention_range
+
+    model = make(name)
+    t = tokens(length=13)
+    h, _ = _layer_input(model, t, 1, "xla")
+    f = layer_factors(model, h, 1)
+    M = np.asarray(
+        full_hidden_attention(f.version, f.A, f.D, f.delta, f.B, f.C, with_D=False)
+    )  # (b, i, j, c)
+    mask = np.zeros((2, 13), bool)
+    mask[0, 3:9], mask[1, 5:13] = True, True  # a real run in the middle, and left padding
+    keep = np.tril(np.ones((13, 13), bool))[None] & mask[:, :, None] & mask[:, None, :]
+    want_lo = np.array([M[b][keep[b]].min() for b in range(2)])
+    want_hi = np.array([M[b][keep[b]].max() for b in range(2)])
+    tri = np.tril(np.ones((13, 13), bool))
+    lo_all = np.array([M[b][tri].min() for b in range(2)])
+    hi_all = np.array([M[b][tri].max() for b in range(2)])
+    moved = np.abs(np.concatenate([lo_all - want_lo, hi_all - want_hi])).max()
+    assert moved > 1e-2 * np.abs(np.concatenate([want_lo, want_hi])).max()  # the mask changes the range
+    for blocks in (Blocks(rows=4, cols=4), Blocks(rows=8, cols=3)):
+        lo, hi = hidden_attention_range(f, mask=jnp.asarray(mask), blocks=blocks)
+        assert rel(lo, want_lo) < TOL["fp32"] and rel(hi, want_hi) < TOL["fp32"], blocks
+        if name == "m2":
+            _, lo, hi = _m2_mean_and_range(f, jnp.arange(13)[::-1], jnp.asarray(mask), blocks)
+            assert rel(lo, want_lo) < TOL["fp32"] and rel(hi, want_hi) < TOL["fp32"], blocks
+
+
+@pytest.mark.parametrize("name", ["m1", "m2"])
 def test_blocked_and_row_subsets_equal_full(name):
     model = make(name)
     t = tokens(length=13)

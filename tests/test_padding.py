@@ -118,6 +118,26 @@ def test_scores_and_extras_equal_each_prompt_alone(case, method, mode, options):
             assert (R[b][~mask[b]] == 0).all() and (R[b][:, ~mask[b]] == 0).all()
 
 
+@pytest.mark.parametrize("blocks", [(4, 4), (8, 3)], ids=["4x4", "8x3"])
+def test_minmax_range_over_many_blocks_with_padding(case, blocks):
+    """minmax normalises by the range of M over the whole causal triangle of real positions: with
+    several blocks and pads on either side, every row asked in any order (Mamba-2 takes the range
+    from the map's own blocks) and a row subset (the separate range pass) equal each prompt alone."""
+    from latim_jax.scores import Blocks
+
+    _, m, prompts, tokens, mask, starts, which = case
+    alone = np.asarray(latim_jax.attribute(m, prompts, method="hidden_attention").scores)
+    opts = dict(method="hidden_attention", mask=mask, blocks=Blocks(rows=blocks[0], cols=blocks[1]))
+    full = np.asarray(latim_jax.attribute(m, tokens, **opts).scores)
+    backwards = np.asarray(latim_jax.attribute(m, tokens, rows=list(range(L))[::-1], **opts).scores)
+    subset = np.asarray(latim_jax.attribute(m, tokens, rows=[L - 1, 4], **opts).scores)
+    for b, (st, w) in enumerate(zip(starts, which, strict=True)):
+        real = slice(st, st + N)
+        assert rel(full[b][:, real, real], alone[w]) < TOL["fp32"], b
+        assert rel(backwards[b][:, ::-1][:, real, real], alone[w]) < TOL["fp32"], b
+        assert rel(subset[b], full[b][:, [L - 1, 4]]) < TOL["fp32"], b
+
+
 def test_contributions_and_conservation_with_mask(case):
     _, m, prompts, tokens, mask, starts, which = case
     c = latim_jax.contributions(m, tokens, 1, mask=mask)
