@@ -375,25 +375,16 @@ def hidden_attention_scores(f: LayerFactors, rows, *, mask=None, blocks: Blocks,
 def _m2_mean_and_range(f: LayerFactors, rows, mask, blocks: Blocks):
     """Mamba-2's mean map (b, r, l) over ``rows`` and the (min, max) (b,) of M without D that minmax
     normalises by, from one blocked pass: each block's M also gives its min and max over the kept
-    pairs (as :func:`hidden_attention_range` keeps them). When ``rows`` do not reach every position
+    pairs (:func:`_kept_range`, as the range pass). When ``rows`` do not reach every position
     (a row subset, or a device's share of the rows), those blocks miss part of the triangle and the
     separate range pass runs instead (a cond: one of the two executes)."""
     length, b = f.length, f.delta.shape[0]
     valid = jnp.ones((b, length), bool) if mask is None else mask
-    valid_cols = jnp.pad(valid, ((0, 0), (0, blocks.cols)))  # a column block may run past the end
+    valid = jnp.pad(valid, ((0, 0), (0, blocks.cols)))  # a column block may run past the end
 
     def pair(rb, j0):
         M = _hidden_attention(f, rb, j0, blocks.cols)  # (b, r, q, h); rb are real positions
-        cols = j0 + jnp.arange(blocks.cols)
-        keep = (cols[None, :] <= rb[:, None]) & (cols[None, :] < length)
-        keep = (
-            keep[None]
-            & valid[:, rb, None]
-            & jax.lax.dynamic_slice_in_dim(valid_cols, j0, blocks.cols, 1)[:, None]
-        )
-        lo = jnp.min(jnp.where(keep[..., None], M, jnp.inf), axis=(1, 2, 3))
-        hi = jnp.max(jnp.where(keep[..., None], M, -jnp.inf), axis=(1, 2, 3))
-        return jnp.mean(M, axis=-1), (lo, hi)
+        return jnp.mean(M, axis=-1), _kept_range(M, rb, j0, valid, length)
 
     neutral = (jnp.full((b,), jnp.inf, f32), jnp.full((b,), -jnp.inf, f32))
     s, (lo, hi) = blocked(pair, rows, length, blocks, neutral=neutral)
@@ -420,12 +411,7 @@ def hidden_attention_range(f: LayerFactors, *, mask=None, blocks: Blocks):
         def col_block(carry, j0):
             def update(carry):
                 M = _hidden_attention(f, jnp.minimum(rb, length - 1), j0, blocks.cols)  # (b, r, q, c)
-                cols = j0 + jnp.arange(blocks.cols)
-                keep = (cols[None, :] <= rb[:, None]) & (rb[:, None] < length) & (cols[None, :] < length)
-                keep = keep[None] & jax.lax.dynamic_slice_in_dim(valid, i0, blocks.rows, 1)[:, :, None]
-                keep = keep & jax.lax.dynamic_slice_in_dim(valid, j0, blocks.cols, 1)[:, None, :]
-                lo = jnp.min(jnp.where(keep[..., None], M, jnp.inf), axis=(1, 2, 3))
-                hi = jnp.max(jnp.where(keep[..., None], M, -jnp.inf), axis=(1, 2, 3))
+                lo, hi = _kept_range(M, rb, j0, valid, length)
                 return jnp.minimum(carry[0], lo), jnp.maximum(carry[1], hi)
 
             return jax.lax.cond(j0 <= i0 + blocks.rows - 1, update, lambda c: c, carry), None
@@ -435,6 +421,18 @@ def hidden_attention_range(f: LayerFactors, *, mask=None, blocks: Blocks):
 
     init = (jnp.full((b,), jnp.inf, f32), jnp.full((b,), -jnp.inf, f32))
     (lo, hi), _ = jax.lax.scan(row_block, init, jnp.arange(n_rb) * blocks.rows)
+    return lo, hi
+
+
+def _kept_range(M, rb, j0, valid, length: int):
+    """(min, max) (b,) of a block M (b, r, q, c) of target rows ``rb`` and sources j0 .. j0 + q - 1
+    over its kept pairs: causal, both positions inside the sequence and real. ``valid`` (b, l') bool,
+    padded with False far enough past the end to index every row and column of the block."""
+    cols = j0 + jnp.arange(M.shape[2])
+    keep = (cols[None, :] <= rb[:, None]) & (rb[:, None] < length) & (cols[None, :] < length)
+    keep = keep[None] & valid[:, rb, None] & jax.lax.dynamic_slice_in_dim(valid, j0, M.shape[2], 1)[:, None]
+    lo = jnp.min(jnp.where(keep[..., None], M, jnp.inf), axis=(1, 2, 3))
+    hi = jnp.max(jnp.where(keep[..., None], M, -jnp.inf), axis=(1, 2, 3))
     return lo, hi
 
 
