@@ -104,8 +104,10 @@ def gpu_compiler_params(num_warps: int):
 
 
 def round_up(x: int, m: int) -> int:
+    """The smallest multiple of m that is >= x (x >= 0, m >= 1)."""
     return -(-x // m) * m
 
 
 def next_pow2(x: int) -> int:
+    """The smallest power of two >= x (1 for x <= 1)."""
     return 1 << max(0, (x - 1).bit_length())

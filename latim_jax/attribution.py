@@ -8,6 +8,7 @@ layers after one forward pass for the residual streams.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Sequence
 
 import jax
@@ -160,7 +161,8 @@ def attribute(
       mode: "exact" (contributions sum to the layer output) or "paper" (the published approximation).
       layers: layer indices, or one int (default: all).
       rows: target positions to score, or one int (default: all L; negative counts from the end); a
-        subset costs O(L) per row.
+        subset costs O(L) per row, except Mamba-1 hidden_attention with aggregation "minmax", whose
+        range needs the whole map (a warning says so from L = 1024 on; "signed" ranks the same).
       mask: optional (B, L) bool of valid positions, one contiguous run per row (left and/or right
         padding; holes are refused). Padding is skipped by the model (zero conv input and Delta), so
         every real row equals the prompt alone; rows and columns of padding are exactly 0, and so are
@@ -242,6 +244,7 @@ def attribute(
     layer_list = check_layers(layers, n)
     row_list = check_rows(rows, true_L)
     row_idx = jnp.arange(true_L) if row_list is None else jnp.asarray(row_list, jnp.int32)
+    _warn_minmax_subset(model, method, aggregation, row_list, true_L)
     if top_k is not None and (
         isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= true_L
     ):
@@ -370,6 +373,26 @@ def attribute(
 
 
 OUT_DTYPES = ("float32", "bfloat16", "float16")
+MINMAX_SUBSET_WARN_LENGTH = 1024  # from this length on, a Mamba-1 minmax row subset is warned about
+
+
+def _warn_minmax_subset(model, method: str, aggregation: str, row_list, length: int) -> None:
+    """Warn when Mamba-1 minmax hidden attention is asked for a row subset of a long prompt: its
+    range covers every causal entry of the per-channel map whatever rows are asked (so that a subset
+    equals the same rows of the full map), which costs the whole map, O(L^2 e n) per layer (one 130m
+    layer at L = 4096: ~37 s for rows=[-1], against 0.25 s for "signed"). Mamba-2's range is over
+    heads, (L^2 h), and cheap."""
+    if method != "hidden_attention" or aggregation != "minmax" or model.config.version != 1:
+        return
+    if row_list is None or len(set(row_list)) == length or length < MINMAX_SUBSET_WARN_LENGTH:
+        return
+    warnings.warn(
+        f"hidden_attention with aggregation='minmax' normalises each layer by the range of the whole "
+        f"per-channel map, so these {len(set(row_list))} of {length} rows cost as much as the full "
+        "Mamba-1 map (O(L^2) per layer); aggregation='signed' ranks every row's sources in the same "
+        "order (minmax is an increasing affine map of it, per layer and prompt) at O(L) per row",
+        stacklevel=3,
+    )
 
 
 def _check_finite(s, method, layer) -> None:

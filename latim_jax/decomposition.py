@@ -226,6 +226,9 @@ def pair_values(f: LayerFactors, rows, j0: int | jax.Array, width: int, *, chann
     return f.G[:, rows][:, :, None] * acc * src_ok[None, None, :, None]
 
 
+M1_FEW_ROWS = 4  # row blocks of at most this many rows take the direct form on every tile (see _m1_tapped)
+
+
 def _m1_tapped(f: LayerFactors, rows, cols, a):
     """Mamba-1's sum_k M_{i,j+k} a_k[j] for the q = width + K - 1 source columns ``cols``: (b, e, r, width),
     channels first: the layout of the far tiles' batched product (see :func:`pair_values`).
@@ -235,8 +238,18 @@ def _m1_tapped(f: LayerFactors, rows, cols, a):
     touch an (r, q, e) block before the one product; other tiles build M (from the same P and Q where
     they can) and tap it. P and Q are formed outside the cond on purpose: inside one computation XLA
     fuses Q's exponentials into each of the K tap products (K times the exponentials; a far tile of
-    one 130m layer took ~25% longer)."""
+    one 130m layer took ~25% longer).
+
+    A row block of at most :data:`M1_FEW_ROWS` rows (``rows=[-1]`` and other small subsets, whose
+    column blocks grow to 1024, scores.Blocks.for_layer) takes the direct form on every tile: its
+    r q e n exponentials are few, while the factored product's operand, a (q, e, n) block, would be
+    transposed into the per-channel layout, and XLA:CPU's strided copy of it cost one 130m layer at
+    L = 4096 ~1.4 s for the one row (1.58 -> 0.21 s with the direct form; with 8 rows the factored
+    form is faster, 0.64 against 1.01 s)."""
     K, width = a.shape[0], a.shape[2]
+    if rows.shape[0] <= M1_FEW_ROWS:
+        M = hidden_attention_block(1, f.A, f.D, f.delta, f.B, f.C, f.decay, rows, cols, direct=True)
+        return jnp.moveaxis(sum(M[:, :, k : k + width] * a[k][:, None] for k in range(K)), 3, 1)
     P, Q = m1_far_factors(f.A, f.delta, f.B, f.C, f.decay, rows, jnp.minimum(cols, f.length - 1))
 
     def far(P, Q, a):

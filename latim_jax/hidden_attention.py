@@ -56,7 +56,9 @@ def causal_mask(rows, cols, length):
     return (cols[None, :] <= rows[:, None]) & (cols[None, :] < length)
 
 
-def hidden_attention_block(version, A, D, delta, B, C, decay, rows, cols, *, with_D=True, factors=None):
+def hidden_attention_block(
+    version, A, D, delta, B, C, decay, rows, cols, *, with_D=True, factors=None, direct=False
+):
     """M_{i,t} for i in ``rows``, t in ``cols`` (index arrays; cols may run past the end: zero there).
 
     Mamba-1: A (e, n), D (e,), delta (b, l, e), B, C (b, l, n) -> (b, r, q, e); ``factors``: the
@@ -72,12 +74,15 @@ def hidden_attention_block(version, A, D, delta, B, C, decay, rows, cols, *, wit
         # M = sum_n P Q (m1_far_factors), P and Q formed outside the cond (inside, XLA fuses their
         # exponentials into the product); the near tile rematerialised under differentiation (its
         # r q e n exponentials, n times the block's size, are recomputed rather than kept)
-        far = jnp.max(cols) <= jnp.min(rows)
-        P, Q = m1_far_factors(A, delta, B, C, decay, rows, safe) if factors is None else factors
-        direct = jax.checkpoint(
-            lambda P, Q: _m1_direct_chunked(A, delta, B, C, decay, rows, safe, mask) * dt_t[:, None]
+        direct_form = jax.checkpoint(
+            lambda *_: _m1_direct_chunked(A, delta, B, C, decay, rows, safe, mask) * dt_t[:, None]
         )
-        M = jax.lax.cond(far, _m1_product, direct, P, Q)
+        if direct:
+            M = direct_form()
+        else:
+            far = jnp.max(cols) <= jnp.min(rows)
+            P, Q = m1_far_factors(A, delta, B, C, decay, rows, safe) if factors is None else factors
+            M = jax.lax.cond(far, _m1_product, direct_form, P, Q)
     else:
         seg = segment_sum(decay, rows, safe)  # (b, r, q, c)
         heads = A.shape[0]

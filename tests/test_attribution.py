@@ -408,9 +408,10 @@ def test_mamba1_factored_far_tiles_equal_the_direct_form():
 
 
 def test_mamba1_far_pair_values_and_their_gradient_equal_the_near_form():
-    """Mamba-1 pair values on far tiles (the factored decay, hidden_attention.m1_far_factors) equal the
-    full contribution tensor's entries, and the gradient of blocked scores that use far tiles (4 x 4
-    blocks) equals the gradient through one whole block."""
+    """Mamba-1 pair values on far tiles (the factored decay, hidden_attention.m1_far_factors; with at
+    most decomposition.M1_FEW_ROWS rows, the direct form) equal the full contribution tensor's
+    entries, and the gradient of blocked scores that use far tiles (8 x 4 blocks: factored; 2 x 4:
+    the few-rows direct form) equals the gradient through one whole block."""
     from latim_jax.attribution import _layer_input
     from latim_jax.decomposition import full_contributions, layer_factors, pair_values
     from latim_jax.scores import layer_scores
@@ -420,7 +421,8 @@ def test_mamba1_far_pair_values_and_their_gradient_equal_the_near_form():
     h, _ = _layer_input(model, t, 1, "xla")
     f = layer_factors(model, h, 1)
     T = np.asarray(full_contributions(f))
-    for rows, j0, width in ((np.arange(12, 20), 0, 8), (np.array([23, 15, 17]), 3, 8)):
+    cases = ((np.arange(12, 20), 0, 8), (np.array([23, 15, 17]), 3, 8), (np.array([23]), 2, 16))
+    for rows, j0, width in cases:
         assert j0 + width + model.config.d_conv - 2 < rows.min()  # a far tile
         V = pair_values(f, jnp.asarray(rows), j0, width)
         got = np.einsum("brje,ed->brjd", np.asarray(V), np.asarray(f.W_out))
@@ -430,9 +432,9 @@ def test_mamba1_far_pair_values_and_their_gradient_equal_the_near_form():
         g = layer_factors(model, h, 1)
         return jnp.sum(layer_scores(g, "l2", jnp.arange(24), blocks=blocks, impl="xla"))
 
-    tiled = jax.grad(loss)(h, Blocks(rows=4, cols=4))
     whole = jax.grad(loss)(h, Blocks(rows=32, cols=32))
-    assert rel(tiled, whole) < 1e-4
+    for blocks in (Blocks(rows=8, cols=4), Blocks(rows=2, cols=4)):
+        assert rel(jax.grad(loss)(h, blocks), whole) < 1e-4
 
 
 def test_mamba1_direct_form_in_row_chunks_equals_one_pass(monkeypatch):
@@ -490,3 +492,35 @@ def test_compensated_cumsum_keeps_short_segments_accurate_far_along_the_sequence
                 plain = np.cumsum(delta, axis=1, dtype=np.float32).astype(np.float64)
                 naive = plain[:, rows] - plain[:, cols]
                 assert np.max(np.abs(naive - want) / scale) > 1e-5
+
+
+def test_mamba1_minmax_row_subset_warns_that_it_costs_the_whole_map(monkeypatch):
+    """Mamba-1 minmax hidden attention over a row subset of a long prompt warns (its range needs the
+    whole map) and still returns the full map's rows; "signed", every row, a short prompt and Mamba-2
+    (a range over heads) do not warn."""
+    import warnings
+
+    from latim_jax import attribution
+
+    monkeypatch.setattr(attribution, "MINMAX_SUBSET_WARN_LENGTH", 10)
+    m1, m2 = make("m1"), make("m2")
+    t = tokens(length=12)
+    kw = dict(method="hidden_attention", layers=[1])
+    with pytest.warns(UserWarning, match="aggregation='signed'"):
+        sub = latim_jax.attribute(m1, t, rows=[3, -1], **kw)
+    full = latim_jax.attribute(m1, t, **kw)
+    np.testing.assert_allclose(sub.scores, full.scores[:, :, [3, 11]], rtol=1e-6, atol=1e-7)
+
+    def ours(caught):
+        return [w for w in caught if "aggregation='signed'" in str(w.message)]
+
+    for model, tok, extra in (
+        (m1, t, dict(rows=[-1], aggregation="signed")),
+        (m1, t, dict(rows=list(range(12)))),
+        (m1, t[:, :9], dict(rows=[-1])),
+        (m2, t, dict(rows=[-1])),
+    ):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            latim_jax.attribute(model, tok, **kw, **extra)
+        assert not ours(caught), extra
