@@ -384,11 +384,12 @@ def _warn_minmax_subset(model, method: str, aggregation: str, row_list, length: 
     heads, (L^2 h), and cheap."""
     if method != "hidden_attention" or aggregation != "minmax" or model.config.version != 1:
         return
-    if row_list is None or len(set(row_list)) == length or length < MINMAX_SUBSET_WARN_LENGTH:
+    n_rows = None if row_list is None else len(set(row_list))
+    if n_rows is None or n_rows == length or length < MINMAX_SUBSET_WARN_LENGTH:
         return
     warnings.warn(
         f"hidden_attention with aggregation='minmax' normalises each layer by the range of the whole "
-        f"per-channel map, so these {len(set(row_list))} of {length} rows cost as much as the full "
+        f"per-channel map, so these {n_rows} of {length} rows cost as much as the full "
         "Mamba-1 map (O(L^2) per layer); aggregation='signed' ranks every row's sources in the same "
         "order (minmax is an increasing affine map of it, per layer and prompt) at O(L) per row",
         stacklevel=3,

@@ -62,7 +62,9 @@ def hidden_attention_block(
     """M_{i,t} for i in ``rows``, t in ``cols`` (index arrays; cols may run past the end: zero there).
 
     Mamba-1: A (e, n), D (e,), delta (b, l, e), B, C (b, l, n) -> (b, r, q, e); ``factors``: the
-    (P, Q) of :func:`m1_far_factors` for these rows and cols when the caller already has them.
+    (P, Q) of :func:`m1_far_factors` for these rows and cols when the caller already has them;
+    ``direct``: the direct form on this block without the far-tile test and without P and Q (for a
+    few rows, where the factored product's operand costs more than the r q e n exponentials).
     Mamba-2: A (h,), D (h,), delta (b, l, h), B, C (b, l, g, n) -> (b, r, q, h).
     """
     length = delta.shape[1]
