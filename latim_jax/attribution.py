@@ -162,7 +162,7 @@ def attribute(
       layers: layer indices, or one int (default: all).
       rows: target positions to score, or one int (default: all L; negative counts from the end); a
         subset costs O(L) per row, except Mamba-1 hidden_attention with aggregation "minmax", whose
-        range needs the whole map (a warning says so from L = 1024 on; "signed" ranks the same).
+        range needs the whole map (a warning says so from L = 1024 on; "signed" ranks alike).
       mask: optional (B, L) bool of valid positions, one contiguous run per row (left and/or right
         padding; holes are refused). Padding is skipped by the model (zero conv input and Delta), so
         every real row equals the prompt alone; rows and columns of padding are exactly 0, and so are
@@ -391,7 +391,8 @@ def _warn_minmax_subset(model, method: str, aggregation: str, row_list, length: 
         f"hidden_attention with aggregation='minmax' normalises each layer by the range of the whole "
         f"per-channel map, so these {n_rows} of {length} rows cost as much as the full "
         "Mamba-1 map (O(L^2) per layer); aggregation='signed' ranks every row's sources in the same "
-        "order (minmax is an increasing affine map of it, per layer and prompt) at O(L) per row",
+        "order up to float rounding (minmax is an increasing affine map of it, per layer and prompt) "
+        "at O(L) per row",
         stacklevel=3,
     )
 
