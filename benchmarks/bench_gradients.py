@@ -26,11 +26,10 @@ WORKER = r"""
 import json, os, sys, time
 import jax, jax.numpy as jnp, numpy as np
 import latim_jax
-from latim_jax.attribution import _layer_input
-from latim_jax.config import MambaConfig
-from latim_jax.decomposition import layer_factors
-from latim_jax.init import init_params
-from latim_jax.scores import layer_scores
+from latim_jax.model.config import MambaConfig
+from latim_jax.latim.kinds import layer_factors
+from latim_jax.model.init import init_params
+from latim_jax.latim.scores import layer_scores
 
 version, L, kind, repeats = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 if version == 1:
@@ -40,11 +39,11 @@ else:
                       chunk_size=256)
 model = latim_jax.MambaLM(cfg, init_params(cfg, 0))
 tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (1, L)))
-h, _ = _layer_input(model, tokens, 0, "xla")
+h = model.forward(tokens, impl="xla").residuals[0]
 
 def loss(h):
     f = layer_factors(model, h, 0, "exact", impl="xla")
-    return jnp.sum(layer_scores(f, "l2", jnp.arange(L), impl="xla"))
+    return jnp.sum(layer_scores(f, "l2", jnp.arange(L), mask=jnp.ones((1, L), bool)))
 
 fn = jax.jit(loss if kind == "forward" else jax.grad(loss))
 def rss(field):

@@ -24,8 +24,8 @@ COMMON = r"""
 import json, os, sys, time
 import jax, jax.numpy as jnp, numpy as np
 import latim_jax
-from latim_jax.config import MambaConfig
-from latim_jax.init import init_params
+from latim_jax.model.config import MambaConfig
+from latim_jax.model.init import init_params
 
 def rss(field):
     for line in open("/proc/self/status"):
@@ -70,7 +70,7 @@ cfg = shape_130m(version)
 model = latim_jax.MambaLM(cfg, init_params(cfg, 0))
 tokens = np.random.default_rng(0).integers(0, 50000, (1, L))
 base = rss("VmRSS:")
-est = latim_jax.memory.estimate(model, 1, L, method="alti", rows=1)
+est = latim_jax.latim.memory.estimate(model, 1, L, method="alti", rows=1)
 fn = lambda: latim_jax.attribute(model, tokens, method="alti", rows=[-1], memory_limit=None).scores
 first, median = timed(fn, repeats)
 peak = rss("VmHWM:") - base  # before the forward below, whose (L, vocab) logits would dominate it
@@ -88,14 +88,16 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 """
     + COMMON
     + r"""
-import latim_jax.memory
-from latim_jax.attribution import _layer_attribution
+import latim_jax.latim.memory
+from latim_jax.latim.attribution import score_layer
+from latim_jax.latim.request import LayerJob
+from latim_jax.parallel import Context, P, check_mesh, put
 n_layers, L, model_axis = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 # 2.8b-shaped layers (d 2560, e 5120, N 16; mamba-2.8b), a few of them, random weights
 cfg = MambaConfig(version=1, d_model=2560, n_layers=n_layers, vocab_size=50280, d_state=16)
 model = latim_jax.MambaLM(cfg, init_params(cfg, 0))
 tokens = np.random.default_rng(0).integers(0, 50000, (1, L))
-mesh = latim_jax.sharding.check_mesh(jax.make_mesh((1, model_axis), ("data", "model")))  # Auto axes
+mesh = check_mesh(jax.make_mesh((1, model_axis), ("data", "model")))  # Auto axes
 latim_jax.shard(model, mesh)
 per_device = {}
 for x in jax.tree.leaves(model.params()):
@@ -106,15 +108,13 @@ res = latim_jax.attribute(model, tokens, method="l2", layers=[n_layers - 1], row
                           memory_limit=None)
 seconds = time.perf_counter() - t0
 # the scored layer's program, per device, from XLA's compiled memory analysis (SPMD: one device's share)
-from latim_jax.sharding import Runtime, put, P
 h = put(np.zeros((1, L, cfg.d_model), np.float32), mesh, P())
+valid = put(np.ones((1, L), bool), mesh, P())
 rows = put(np.asarray([L - 1], np.int32), mesh, P())
-runtime = Runtime(impl="xla", mesh=mesh)
-lowered = _layer_attribution.lower(model.layers[n_layers - 1], h, None, rows, None, method="l2",
-                                   mode="exact", impl=runtime, blocks=None, aggregation="minmax",
-                                   with_alti=False, with_next=True)
+lowered = score_layer.lower(model.layers[n_layers - 1], h, valid, rows, None,
+                            job=LayerJob(method="l2", with_next=True), ctx=Context(mesh=mesh))
 mem = lowered.compile().memory_analysis()
-est = latim_jax.memory.estimate(model, 1, L, method="l2", rows=1, layers=1)
+est = latim_jax.latim.memory.estimate(model, 1, L, method="l2", rows=1, layers=1)
 print(json.dumps({"experiment": "sharded", "n_layers": n_layers, "L": L, "model_axis": model_axis,
                   "param_bytes_per_device_max": max(per_device.values()),
                   "param_bytes_total": sum(per_device.values()), "seconds": seconds,

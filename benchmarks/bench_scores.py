@@ -31,7 +31,7 @@ def child(version: int, length: int, variant: str) -> None:
     import numpy as np
 
     import latim_jax
-    from latim_jax.init import init_params
+    from latim_jax.model.init import init_params
 
     cfg = latim_jax.MambaConfig(**SHAPES[version])
     model = latim_jax.MambaLM(cfg, init_params(cfg, 0))

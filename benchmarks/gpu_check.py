@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_check.py                 # on a GPU: verify, then time 130m-shaped layers
     python benchmarks/gpu_check.py --cpu-smoke     # anywhere: tiny shapes, interpret mode, no timings
-    python benchmarks/gpu_check.py --sweep         # on a GPU: also time a few BlockSizes candidates
+    python benchmarks/gpu_check.py --sweep         # on a GPU: also time a few Blocks candidates
 
 1. Verify: every kernel on random inputs (odd lengths, groups 1 and 2, bf16 inputs, initial state)
    against its pure-jnp reference; the max |kernel - reference| / max |reference| per output.
@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from latim_jax.kernels.block_sizes import BlockSizes
+from latim_jax.kernels.block_sizes import Blocks
 from latim_jax.kernels.selective_scan import selective_scan_pallas, selective_scan_reference
 from latim_jax.kernels.ssd import ssd_pallas, ssd_reference
 
@@ -176,9 +176,9 @@ _register_scan_rows()
 # --------------------------------------------------------------------------------------------------
 # The fused-score kernel's rows (kernels/fused_scores.py): one layer's unnormalised scores for every
 # target row, from the exact factors of a random 130m-shaped layer, against the blocked XLA path
-# (latim_jax.scores). "fp32" rows run both sides at matmul precision "highest"; the "tf32" row lets
-# both use tensor cores. The scan sweep's BlockSizes do not apply here: the score kernel uses its
-# ScoreBlockSizes defaults. Peak memory (each compiled program's temp + output bytes, and the
+# (latim_jax.latim.scores). "fp32" rows run both sides at matmul precision "highest"; the "tf32" row lets
+# both use tensor cores. The scan sweep's Blocks set no score tile: the score kernel keeps its
+# defaults. Peak memory (each compiled program's temp + output bytes, and the
 # process peak) prints as a last table when the script exits.
 # --------------------------------------------------------------------------------------------------
 
@@ -196,15 +196,15 @@ SCORE_MEMORY: list[tuple[str, int, dict]] = []
 
 
 def score_inputs(layer: str, length: int, smoke: bool = False, seed: int = 0):
-    """(rows, f): every target row, and the exact LayerFactors of a random 1-layer model on random
+    """(rows, f): every target row, and the exact MambaFactors of a random 1-layer model on random
     tokens (rows first: the check table prints the first input's shape)."""
     import latim_jax
-    import latim_jax.init
-    from latim_jax.decomposition import layer_factors
+    import latim_jax.model.init
+    from latim_jax.latim.kinds import layer_factors
 
     full, tiny = SCORE_LAYERS[layer]
     cfg = latim_jax.MambaConfig(n_layers=1, vocab_size=256, d_conv=4, **(tiny if smoke else full))
-    model = latim_jax.MambaLM(cfg, latim_jax.init.init_params(cfg, seed))
+    model = latim_jax.MambaLM(cfg, latim_jax.model.init.init_params(cfg, seed))
     tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, (1, length))
     f = jax.jit(lambda t: layer_factors(model, model.forward(t).residuals[0], 0, "exact"))(tokens)
     return jnp.arange(length), f
@@ -213,23 +213,21 @@ def score_inputs(layer: str, length: int, smoke: bool = False, seed: int = 0):
 def _score_kernel(
     rows, f, *, method="l2", precision="highest", block_sizes=None, platform=None, interpret=None
 ):
-    from latim_jax.kernels.fused_scores import ScoreBlockSizes, fused_layer_scores
+    from latim_jax.kernels.fused_scores import fused_layer_scores
 
-    if not isinstance(block_sizes, ScoreBlockSizes):  # the scan's BlockSizes (sweep) do not apply
-        block_sizes = ScoreBlockSizes.for_platform(
-            "cpu" if interpret else (platform or jax.default_backend())
-        )
-    block_sizes = dataclasses.replace(block_sizes, precision=precision)
+    # "highest": fp32 matmul passes; "default": bf16 passes on TPU, TF32 on GPU (the kernel's "bfloat16")
+    kernel_precision = "float32" if precision == "highest" else "bfloat16"
     return fused_layer_scores(
-        f, method, rows, block_sizes=block_sizes, platform=platform, interpret=interpret
-    )
+        f, method, rows, block_sizes=block_sizes, precision=kernel_precision, platform=platform,
+        interpret=interpret,
+    )  # fmt: skip
 
 
 def _score_reference(rows, f, *, method="l2", precision="highest"):
-    from latim_jax.kernels.fused_scores import fused_scores_reference
+    from latim_jax.latim.scores import blocked_scores
 
     with jax.default_matmul_precision(precision):  # read when the einsums are traced
-        return fused_scores_reference(f, method, rows)
+        return blocked_scores(f, method, rows)
 
 
 def _score_timing_inputs(layer: str, precision: str, length: int):
@@ -299,7 +297,7 @@ def rel_err(x, ref) -> float:
     return float(np.max(np.abs(x - ref)) / max(np.max(np.abs(ref)), 1e-30))
 
 
-def run_checks(smoke: bool, block_sizes: BlockSizes | None) -> bool:
+def run_checks(smoke: bool, block_sizes: Blocks | None) -> bool:
     print(f"{'check':<34} {'input 0 shape':<20} {'output':<7} {'rel err':>9} {'tol':>7}  ok")
     all_ok = True
     for check in CHECKS:
@@ -327,7 +325,7 @@ def time_ms(fn, inputs, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def run_timings(block_sizes_list: list[BlockSizes | None], repeats: int) -> None:
+def run_timings(block_sizes_list: list[Blocks | None], repeats: int) -> None:
     print(f"\n{'layer':<34} {'L':>6} {'xla ms':>9} {'pallas ms':>10} {'speed-up':>9}  block sizes")
     for timing in TIMINGS:
         for length in timing.lengths:
@@ -339,24 +337,24 @@ def run_timings(block_sizes_list: list[BlockSizes | None], repeats: int) -> None
                 print(f"{timing.name:<34} {length:>6} {xla:9.3f} {ms:10.3f} {xla / ms:8.2f}x  {describe(bs)}")
 
 
-def describe(bs: BlockSizes | None) -> str:
+def describe(bs: Blocks | None) -> str:
     if bs is None:
         return "default"
     return " ".join(f"{f.name}={getattr(bs, f.name)}" for f in dataclasses.fields(bs))
 
 
-SWEEP = [  # GPU candidates for --sweep (None = BlockSizes.for_platform("gpu"))
+SWEEP = [  # GPU candidates for --sweep (None = Blocks.for_platform("gpu"))
     None,
-    BlockSizes(scan_block_e=16, ssd_chunk=32, ssd_block_p=16, num_warps_scan=1, num_warps_ssd=4),
-    BlockSizes(scan_block_e=64, ssd_chunk=64, ssd_block_p=64, num_warps_scan=2, num_warps_ssd=8),
-    BlockSizes(scan_block_e=128, ssd_chunk=128, ssd_block_p=32, num_warps_scan=4, num_warps_ssd=8),
+    Blocks(scan_block_e=16, ssd_chunk=32, ssd_block_p=16, num_warps_scan=1, num_warps_ssd=4),
+    Blocks(scan_block_e=64, ssd_chunk=64, ssd_block_p=64, num_warps_scan=2, num_warps_ssd=8),
+    Blocks(scan_block_e=128, ssd_chunk=128, ssd_block_p=32, num_warps_scan=4, num_warps_ssd=8),
 ]
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes in interpret mode, no timings")
-    parser.add_argument("--sweep", action="store_true", help="time a few GPU BlockSizes candidates")
+    parser.add_argument("--sweep", action="store_true", help="time a few GPU Blocks candidates")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--skip-checks", action="store_true")
     args = parser.parse_args(argv)
@@ -364,7 +362,7 @@ def main(argv=None) -> int:
     backend = jax.default_backend()
     print(f"jax {jax.__version__}, backend {backend}, devices {jax.devices()}")
     if args.cpu_smoke:
-        smoke_blocks = BlockSizes(scan_block_l=8, scan_block_e=8, ssd_chunk=16, ssd_block_p=8)
+        smoke_blocks = Blocks(scan_block_l=8, scan_block_e=8, ssd_chunk=16, ssd_block_p=8)
         return 0 if run_checks(smoke=True, block_sizes=smoke_blocks) else 1
     if backend != "gpu":
         print(

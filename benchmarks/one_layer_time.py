@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import shape  # noqa: E402
 
 import latim_jax  # noqa: E402
-from latim_jax.init import init_params  # noqa: E402
-from latim_jax.memory import estimate as memory_estimate  # noqa: E402
-from latim_jax.scores import PRECISIONS  # noqa: E402
+from latim_jax.latim.memory import estimate as memory_estimate  # noqa: E402
+from latim_jax.latim.scores import PRECISIONS  # noqa: E402
+from latim_jax.model.init import init_params  # noqa: E402
 
 
 def positive_int(text: str) -> int:

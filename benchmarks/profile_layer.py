@@ -4,15 +4,15 @@
     python benchmarks/profile_layer.py --quick                                     # tiny: seconds
 
 latim-jax (each stage jitted on its own, median of --runs after a warm-up call): the forward, the
-layer factors (latim_jax.decomposition.layer_factors: intermediates, tap values, token total), the
-blocked scores (latim_jax.scores.layer_scores), with the floor (benchmarks/floor.py) for scale.
+layer factors (latim_jax.latim.kinds.layer_factors: intermediates, tap values, token total), the
+blocked scores (latim_jax.latim.scores.layer_scores), with the floor (benchmarks/floor.py) for scale.
 PyTorch (benchmarks/torch_baseline.py, fair): the hooked transformers forward, the layer values, the
 hidden attention M, the gate, the conv-corrected weights W, V = G * W, the projection T = W_out V,
 the score. The blocked scores are also split into the pair values alone and the projection alone;
 latim-jax's stages report CPU seconds too (steadier than wall time on a shared machine).
 One process for both (time only: the memory comparison is bench_vs_torch.py's). Internal
 latim_jax functions are called directly, so this script follows the library's internals
-(decomposition.layer_factors, scores.layer_scores).
+(latim.kinds.layer_factors, latim.scores.layer_scores, latim.blocking.blocked).
 """
 
 from __future__ import annotations
@@ -55,8 +55,9 @@ def profile_jax(path, ids, method, mode, runs) -> dict:
     import jax.numpy as jnp
 
     import latim_jax
-    from latim_jax.decomposition import layer_factors, pair_values
-    from latim_jax.scores import Blocks, blocked, layer_scores, project, safe_norm
+    from latim_jax.latim.blocking import blocked
+    from latim_jax.latim.kinds import layer_factors
+    from latim_jax.latim.scores import layer_scores, project, safe_norm
 
     model = latim_jax.load(path)
     tokens = jnp.asarray(ids)
@@ -70,14 +71,15 @@ def profile_jax(path, ids, method, mode, runs) -> dict:
     aux = None
     if method == "logit":  # any direction: the cost does not depend on it
         aux = jnp.ones((ids.shape[0], L, f.W_out.shape[0]), jnp.float32)
-    scores = jax.jit(lambda f: layer_scores(f, method, rows, aux=aux))
+    valid = jnp.ones(ids.shape, bool)
+    scores = jax.jit(lambda f: layer_scores(f, method, rows, mask=valid, aux=aux))
     t_sc, _ = timeit(lambda: scores(f), runs, sync, "scores_s")
     # the blocked scores split: the pair values V (hidden attention, taps, gate; summed over e) alone,
     # and the projection onto W_out + norm of a constant block alone, over the same causal blocks
-    blocks = Blocks.for_layer(f.version, L)
+    blocks = f.tiles(None, None)
 
     def value_block(g, rb, j0):
-        return pair_values(g, rb, j0, blocks.cols).sum(-1)
+        return g.pair_values(rb, j0, blocks.cols, blocks).sum(-1)
 
     def projection_block(rb, j0, W):
         return safe_norm(project(const * rb[0], W), -1)

@@ -10,10 +10,10 @@ mqar:        the shipped MQAR models, gold = the key position and the value posi
 variants:    the shipped SiLU mimetic copy model beside the ReLU / identity / default-init models
              trained from configs/copy-mamba{v}-{relu,identity,default}.json into DIR/<config name>
              (python scripts/train_copy.py CONFIG DIR/NAME) -> variants_mamba{v}.{md,json}
-align:       the shipped translation models, AER of every method (latim_jax.evaluate_align)
+align:       the shipped translation models, AER of every method (latim_jax.tasks.evaluate_align)
              -> align_eval_mamba{v}.{md,json}
 needle:      the shipped needle models at each length, retrieval accuracy and attribution AUC / R@1
-             of the query rows (latim_jax.evaluate_needle) -> needle_eval_mamba{v}.{md,json}
+             of the query rows (latim_jax.tasks.evaluate_needle) -> needle_eval_mamba{v}.{md,json}
 
 All on the same held-out sequences (seed 10000); each file is written atomically. Without --only,
 every table except variants (which needs --variants) is regenerated.
@@ -26,11 +26,11 @@ import json
 from pathlib import Path
 
 import latim_jax
-from latim_jax import evaluate as ev
-from latim_jax import evaluate_align as ea
-from latim_jax import evaluate_needle as en
-from latim_jax.loading import SHIPPED
-from latim_jax.results import write_bytes_atomic
+from latim_jax.io.atomic import write_bytes_atomic
+from latim_jax.io.loading import SHIPPED
+from latim_jax.tasks import evaluate as ev
+from latim_jax.tasks import evaluate_align as ea
+from latim_jax.tasks import evaluate_needle as en
 
 HERE = Path(__file__).resolve().parent
 

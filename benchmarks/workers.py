@@ -331,7 +331,7 @@ def task_compile(spec):
     import jax.numpy as jnp
 
     import latim_jax
-    from latim_jax.init import init_params
+    from latim_jax.model.init import init_params
 
     cfg = latim_jax.MambaConfig(**spec["config"])
     model = latim_jax.MambaLM(cfg, init_params(cfg, spec.get("seed", 0)))

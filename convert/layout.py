@@ -4,7 +4,7 @@ The three torch layouts (Hugging Face, mamba_ssm, Codestral) share the block and
 differ only in the embedding's name (``backbone.embeddings.weight`` in Hugging Face,
 ``backbone.embedding.weight`` in mamba_ssm; both are accepted everywhere), in a ``model.`` prefix
 (Codestral), and in whether a tied ``lm_head.weight`` is stored (mamba_ssm stores it; it must then
-equal the embedding). Orientation, torch -> latim-jax (see ``latim_jax.config.param_shapes``):
+equal the embedding). Orientation, torch -> latim-jax (see ``latim_jax.model.config.param_shapes``):
 
     Linear weight (out, in)            -> (in, out)        y = x @ W
     depthwise Conv1d weight (C, 1, k)  -> (k, C)           conv_w[k-1] multiplies the current token
@@ -22,7 +22,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from latim_jax.config import MambaConfig, param_shapes
+from latim_jax.model.config import MambaConfig, param_shapes
 
 from .errors import CheckpointError
 from .tensors import TensorFiles

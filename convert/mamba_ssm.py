@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from latim_jax.config import MambaConfig
+from latim_jax.model.config import MambaConfig
 
 from .config_fields import ConfigFields, read_json
 from .hf import build_config

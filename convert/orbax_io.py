@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from latim_jax.config import MambaConfig, param_shapes
+from latim_jax.model.config import MambaConfig, param_shapes
 
 from .errors import CheckpointError
 from .layout import path_str

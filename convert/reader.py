@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from latim_jax.config import MambaConfig
+from latim_jax.model.config import MambaConfig
 
 from . import codestral, hf, mamba_ssm, orbax_io
 from .errors import CheckpointError
@@ -39,7 +39,7 @@ _WEIGHTS = {
 def read_checkpoint(path: str | Path, dtype: Any = None) -> tuple[MambaConfig, dict[str, Any]]:
     """``(config, params)`` from a checkpoint directory of any supported format (see :func:`detect_format`).
 
-    ``params`` is the nested-dict tree of ``latim_jax.config.param_shapes(config)`` holding numpy
+    ``params`` is the nested-dict tree of ``latim_jax.model.config.param_shapes(config)`` holding numpy
     arrays in their stored dtype, or cast to ``dtype`` ("float32", "bfloat16", ...) when given.
     Raises :class:`CheckpointError` naming file, key and expected vs found on anything it cannot
     read faithfully.

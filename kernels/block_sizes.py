@@ -1,65 +1,116 @@
-"""Tunable tile sizes of the scan kernels, one frozen dataclass shared by Mamba-1 and Mamba-2.
+"""Tile sizes: ONE frozen dataclass for every blocked computation of the library.
 
 Glossary: b batch, l length, e inner width (Mamba-1 channels), n state size, h heads, p head dim,
-g groups, q chunk length.
+g groups, q chunk length, d model width.
 
-What each field tiles:
-- ``scan_block_l`` (Mamba-1, TPU): time steps per grid step. It is a lane dimension of the transposed
-  B/C blocks, so on TPU it must be a multiple of 128 (or cover the whole, 8-padded, sequence). The GPU
-  variant keeps the whole sequence per program and ignores it.
-- ``scan_block_e`` (Mamba-1): channels per program. TPU: multiple of 128 (or all of e). GPU: a power of
+A field left None takes the default of the path that runs: :meth:`Blocks.for_platform` for the Pallas
+kernels, :meth:`Blocks.for_layer` for the XLA score path (:meth:`Blocks.over` fills the Nones).
+
+The score tiles (the XLA blocked path, :mod:`latim_jax.latim.blocking`, and the fused score kernel,
+kernels/fused_scores.py):
+- ``rows`` / ``cols``: target rows x source columns per tile. Fused kernel: TPU rows a multiple of 8
+  and cols of 128 (or the whole padded axis); GPU powers of two >= 16.
+- ``d``: the fused kernel's d tile (None: all of d up to 1024 on TPU, all of d on GPU).
+- ``e``: the fused kernel's channels per step (TPU: the "arbitrary" e-chunk axis; GPU Mamba-1: the
+  channel chunk of the in-kernel loop).
+- ``m1_direct_rows``: target rows per pass of the XLA path's Mamba-1 direct form (bounds its backward's
+  temporaries); ``m1_few_rows``: a row tile of at most this many rows takes the direct form on every
+  tile (a few rows: cheaper than transposing the far tiles' factored operand).
+The scan kernels (kernels/selective_scan.py, kernels/ssd.py):
+- ``scan_block_l`` (Mamba-1, TPU): time steps per grid step; a lane dimension of the transposed B/C
+  blocks, so a multiple of 128 (or the whole 8-padded sequence). The GPU variant ignores it.
+- ``scan_block_e`` (Mamba-1): channels per program. TPU: multiple of 128 (or all of e); GPU: a power of
   two (e is zero-padded to a multiple of it).
-- ``ssd_chunk`` (Mamba-2): chunk length q of the chunked SSD; ``None`` uses the caller's ``chunk_size``.
-  TPU: multiple of 8. GPU: power of two >= 16 (Triton matmul tiles).
-- ``ssd_block_p`` (Mamba-2, GPU): head-dim rows per program (the state rows are independent); ``None``
-  keeps the whole head. TPU always keeps the whole head (p is a lane dimension there).
-- ``num_warps_scan`` / ``num_warps_ssd``: Triton warps per program (GPU only).
+- ``ssd_chunk`` (Mamba-2): chunk length of the chunked SSD kernel; None in the resolved blocks means the
+  caller's ``chunk_size``. TPU: multiple of 8. GPU: power of two >= 16.
+- ``ssd_block_p`` (Mamba-2, GPU): head-dim rows per program (None: the whole head).
+Triton and Mosaic settings: ``num_warps_scan`` / ``num_warps_ssd`` / ``num_warps_scores`` (GPU),
+``vmem_limit_bytes`` (the fused kernel's scoped-VMEM limit on TPU).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
+
 PLATFORMS = ("tpu", "gpu", "cpu")
+_FIELDS = (
+    "rows", "cols", "d", "e", "m1_direct_rows", "m1_few_rows", "scan_block_l", "scan_block_e",
+    "ssd_chunk", "ssd_block_p", "num_warps_scan", "num_warps_ssd", "num_warps_scores", "vmem_limit_bytes",
+)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class BlockSizes:
-    """Tile sizes for the Pallas scans; build one with ``BlockSizes.for_platform(platform)``."""
+class Blocks:
+    """Tile sizes (module docstring); every field a positive int or None (the running path's default)."""
 
-    scan_block_l: int = 256
-    scan_block_e: int = 512
-    ssd_chunk: int | None = 128
+    rows: int | None = None
+    cols: int | None = None
+    d: int | None = None
+    e: int | None = None
+    m1_direct_rows: int | None = None
+    m1_few_rows: int | None = None
+    scan_block_l: int | None = None
+    scan_block_e: int | None = None
+    ssd_chunk: int | None = None
     ssd_block_p: int | None = None
-    num_warps_scan: int = 1
-    num_warps_ssd: int = 4
+    num_warps_scan: int | None = None
+    num_warps_ssd: int | None = None
+    num_warps_scores: int | None = None
+    vmem_limit_bytes: int | None = None
 
     def __post_init__(self):
-        for name in ("scan_block_l", "scan_block_e", "num_warps_scan", "num_warps_ssd"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"BlockSizes.{name} must be >= 1, found {getattr(self, name)}")
-        for name in ("ssd_chunk", "ssd_block_p"):
+        for name in _FIELDS:
             value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"BlockSizes.{name} must be >= 1 or None, found {value}")
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"Blocks.{name} must be a positive int or None, found {value!r}")
+
+    def over(self, defaults: Blocks) -> Blocks:
+        """These blocks with every None field taken from ``defaults``."""
+        return Blocks(
+            **{k: v if (v := getattr(self, k)) is not None else getattr(defaults, k) for k in _FIELDS}
+        )
 
     @classmethod
-    def for_platform(cls, platform: str) -> BlockSizes:
-        """Defaults per platform: "tpu", "gpu" (also "cuda"/"rocm"), or "cpu" (interpret mode)."""
+    def for_platform(cls, platform: str) -> Blocks:
+        """The Pallas kernels' defaults: "tpu", "gpu" (also "cuda"/"rocm"), or "cpu" (interpret mode:
+        few, large blocks, since each grid step costs a full-array copy)."""
         platform = normalize_platform(platform)
         if platform == "tpu":
-            return cls(scan_block_l=256, scan_block_e=512, ssd_chunk=128)
+            return cls(rows=8, cols=128, e=256, scan_block_l=256, scan_block_e=512, ssd_chunk=128,
+                       num_warps_scan=1, num_warps_ssd=4, num_warps_scores=4,
+                       vmem_limit_bytes=48 * 1024 * 1024)  # fmt: skip
         if platform == "gpu":
-            return cls(
-                scan_block_l=256,
-                scan_block_e=32,
-                ssd_chunk=64,
-                ssd_block_p=32,
-                num_warps_scan=1,
-                num_warps_ssd=8,
-            )
-        # interpret mode: few, large blocks (each grid step costs a full-array copy)
-        return cls(scan_block_l=512, scan_block_e=1024, ssd_chunk=None)
+            return cls(rows=16, cols=16, d=64, e=32, scan_block_l=256, scan_block_e=32, ssd_chunk=64,
+                       ssd_block_p=32, num_warps_scan=1, num_warps_ssd=8, num_warps_scores=4,
+                       vmem_limit_bytes=48 * 1024 * 1024)  # fmt: skip
+        return cls(rows=8, cols=64, e=1024, scan_block_l=512, scan_block_e=1024, num_warps_scan=1,
+                   num_warps_ssd=4, num_warps_scores=4, vmem_limit_bytes=48 * 1024 * 1024)  # fmt: skip
+
+    @classmethod
+    def for_layer(cls, version: int, length: int, n_rows: int | None = None) -> Blocks:
+        """The XLA score path's defaults: 64 x 64 tiles for Mamba-2, 32 x 32 for Mamba-1 (its per-tile
+        values are (r, q, e), not Mamba-2's (r, q, h); at 130m shapes and L = 512, 32 x 32 is ~25% faster
+        than 16 x 16 and as fast as 64 x 64). At long L, where nearly every tile is a far tile, 64 x 32
+        costs ~14% less CPU per pair (one layer at 4096: 217-219 s against 233-246 s wall), but the
+        gradient at L = 1024 then peaks at 3.2x the forward (0.917 / 0.286 GiB; 2.7x with 32 x 32), so it
+        is not the default; pass ``Blocks(rows=64, cols=32)`` for a forward-only run (the near tiles'
+        direct form runs in ``m1_direct_rows`` = 32-row passes either way). With few target rows
+        (``n_rows`` below the square tile's side) the row tile shrinks to them and the column tile grows
+        to keep the tile's size: ``rows=[-1]`` does not pay for a whole row tile. Mamba-1 row tiles of at
+        most ``m1_few_rows`` = 4 rows take the direct form on every tile (1.58 -> 0.21 s for rows=[-1]
+        of one 130m layer at L = 4096; with 8 rows the factored form is faster, 0.64 against 1.01 s)."""
+        size = 64 if version == 2 else 32
+        cap = max(8, 1 << (max(length, 1) - 1).bit_length())
+        size = min(size, cap)
+        m1 = dict(m1_direct_rows=32, m1_few_rows=4)
+        if n_rows is None or n_rows >= size:
+            return cls(rows=size, cols=size, **m1)
+        rows = 1 << (max(n_rows, 1) - 1).bit_length()
+        return cls(rows=rows, cols=min(cap, 1024, size * size // rows), **m1)
 
 
 def normalize_platform(platform: str) -> str:
@@ -76,8 +127,6 @@ def resolve_target(platform: str | None, interpret: bool | None) -> tuple[str, b
     ``platform=None`` follows ``jax.default_backend()``; on CPU that is the TPU variant in interpret
     mode (interpret mode runs either variant; the TPU one exercises the scratch-carried state).
     """
-    import jax
-
     backend = normalize_platform(jax.default_backend())
     if interpret is None:
         interpret = backend == "cpu"
@@ -87,16 +136,12 @@ def resolve_target(platform: str | None, interpret: bool | None) -> tuple[str, b
 
 def tpu_compiler_params(dimension_semantics: tuple[str, ...]):
     """Mosaic compiler params across jax versions (``CompilerParams``, formerly ``TPUCompilerParams``)."""
-    from jax.experimental.pallas import tpu as pltpu
-
     params_cls = pltpu.CompilerParams if hasattr(pltpu, "CompilerParams") else pltpu.TPUCompilerParams
     return params_cls(dimension_semantics=dimension_semantics)
 
 
 def gpu_compiler_params(num_warps: int):
     """Triton compiler params across jax versions (``CompilerParams``, formerly ``TritonCompilerParams``)."""
-    from jax.experimental.pallas import triton as pltriton
-
     params_cls = (
         pltriton.CompilerParams if hasattr(pltriton, "CompilerParams") else pltriton.TritonCompilerParams
     )

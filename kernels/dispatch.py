@@ -1,16 +1,17 @@
-"""One entry point per scan: ``impl="auto" | "xla" | "pallas"``; every implementation returns the same pytree.
+"""The scan dispatcher: one entry point per scan, taking the execution context; every implementation
+returns the same pytree.
 
-- "xla": the pure-jnp reference (any backend).
-- "pallas": the Pallas kernel; on a CPU default backend it runs in interpret mode (the TPU variant).
-- "auto": Pallas on TPU and GPU, the reference on CPU.
+``ctx`` is a :class:`latim_jax.parallel.context.Context`, resolved once at the API edge:
+- ``ctx.kernels`` False: the pure-jnp reference (any backend); True: the Pallas kernel (interpret mode
+  on a CPU backend).
+- ``ctx.mesh``: with a mesh, each Pallas scan runs inside ``jax.shard_map`` over (batch on "data",
+  channels / heads on "model"); the XLA path is left to XLA's SPMD partitioner. Channel-parallel scans
+  need no cross-shard carry (each channel or head is an independent recurrence); Mamba-2 heads of one
+  B/C group may land on different devices, so each shard gathers the groups of its own heads.
 
-``impl`` may also be a :class:`latim_jax.sharding.Runtime` (the choice plus a device mesh): with a
-mesh, each Pallas scan runs inside ``jax.shard_map`` over (batch on "data", channels / heads on
-"model"); the XLA path is left to XLA's SPMD partitioner.
-
-``block_sizes`` (a ``BlockSizes``) tunes the Pallas tiles; None takes ``BlockSizes.for_platform``.
-Both Pallas paths accept ``initial_state`` in the kernel and are differentiable (backward = VJP of the
-reference).
+``block_sizes`` (a :class:`~latim_jax.kernels.block_sizes.Blocks`) tunes the Pallas tiles; None fields
+take ``Blocks.for_platform``'s. Both Pallas paths accept ``initial_state`` in the kernel and are
+differentiable (backward = VJP of the reference).
 """
 
 from __future__ import annotations
@@ -27,64 +28,41 @@ from latim_jax.kernels.selective_scan import (
     selective_scan_step_reference,
 )
 from latim_jax.kernels.ssd import XLA_CHUNK, ssd_pallas, ssd_reference, ssd_step_reference
-
-IMPLS = ("auto", "xla", "pallas")
-
-
-def check_impl(impl) -> str:
-    """Validate an ``impl`` name (or the name inside a Runtime); returns the name."""
-    name = getattr(impl, "impl", impl)
-    if name not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, found {name!r}")
-    return name
+from latim_jax.parallel.context import XLA, Context
 
 
-def use_pallas(impl) -> bool:
-    """Whether ``impl`` (a name or a Runtime) resolves to the Pallas kernel on the default backend."""
-    name = check_impl(impl)
-    if name == "auto":
-        return jax.default_backend() in ("tpu", "gpu")
-    return name == "pallas"
-
-
-def _mesh_axes(impl, batch: int, channels: int):
+def _mesh_axes(ctx: Context, batch: int, channels: int):
     """(mesh, batch axis, channel axis) for shard_map: an axis only where the mesh has it (size > 1)
     and it divides the dimension (else that dimension stays whole on every device)."""
-    mesh = getattr(impl, "mesh", None)
-    if mesh is None:
-        return None, None, None
-    size = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
-    data = "data" if size.get("data", 1) > 1 and batch % size["data"] == 0 else None
-    model = "model" if size.get("model", 1) > 1 and channels % size["model"] == 0 else None
+    data = "data" if ctx.axis_size("data") > 1 and batch % ctx.axis_size("data") == 0 else None
+    model = "model" if ctx.axis_size("model") > 1 and channels % ctx.axis_size("model") == 0 else None
     if data is None and model is None:
         return None, None, None
-    return mesh, data, model
+    return ctx.mesh, data, model
 
 
-def selective_scan(u, delta, A, B, C, D, initial_state=None, *, impl="auto", block_sizes=None):
+def selective_scan(u, delta, A, B, C, D, initial_state=None, *, ctx: Context = XLA, block_sizes=None):
     """Mamba-1 selective scan -> (y (b, l, e), final_state (b, e, n)). See kernels/selective_scan.py."""
-    if not use_pallas(impl):
+    if not ctx.kernels:
         return selective_scan_reference(u, delta, A, B, C, D, initial_state)
     kernel = functools.partial(selective_scan_pallas, block_sizes=block_sizes)
-    mesh, data, model = _mesh_axes(impl, u.shape[0], u.shape[-1])
+    mesh, data, model = _mesh_axes(ctx, u.shape[0], u.shape[-1])
     if mesh is None:
         return kernel(u, delta, A, B, C, D, initial_state)
     seq, chan, state = P(data, None, model), P(model), P(data, model, None)
     bc = P(data, None, None)
-    if initial_state is None:
-        fn, args, specs = kernel, (u, delta, A, B, C, D), (seq, seq, P(model, None), bc, bc, chan)
-    else:
-        fn = kernel
-        args, specs = (u, delta, A, B, C, D, initial_state), (seq, seq, P(model, None), bc, bc, chan, state)
-    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=(seq, state), check_vma=False)(*args)
+    args, specs = (u, delta, A, B, C, D), (seq, seq, P(model, None), bc, bc, chan)
+    if initial_state is not None:
+        args, specs = args + (initial_state,), specs + (state,)
+    return jax.shard_map(kernel, mesh=mesh, in_specs=specs, out_specs=(seq, state), check_vma=False)(*args)
 
 
-def ssd(x, dt, A, B, C, D, chunk_size=64, initial_state=None, *, impl="auto", block_sizes=None):
+def ssd(x, dt, A, B, C, D, chunk_size=64, initial_state=None, *, ctx: Context = XLA, block_sizes=None):
     """Mamba-2 chunked SSD -> (y (b, l, h, p), final_state (b, h, p, n)). See kernels/ssd.py."""
-    if not use_pallas(impl):  # the chunk length changes only rounding: the XLA path takes its fastest
+    if not ctx.kernels:  # the chunk length changes only rounding: the XLA path takes its fastest
         return ssd_reference(x, dt, A, B, C, D, min(chunk_size, XLA_CHUNK), initial_state)
     kernel = functools.partial(ssd_pallas, chunk_size=chunk_size, block_sizes=block_sizes)
-    mesh, data, model = _mesh_axes(impl, x.shape[0], x.shape[2])
+    mesh, data, model = _mesh_axes(ctx, x.shape[0], x.shape[2])
     if mesh is None:
         return kernel(x, dt, A, B, C, D, initial_state=initial_state)
     rep = x.shape[2] // B.shape[2]  # heads per B/C group

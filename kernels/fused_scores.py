@@ -1,7 +1,7 @@
 """Fused LaTIM scores: one layer's per-pair scores without ever writing T (docs/method.md, sections 5 and 9).
 
 For target rows i (a subset ``rows`` of positions) and every source j, with the factors of
-:class:`latim_jax.decomposition.LayerFactors`:
+:class:`latim_jax.latim.mamba.MambaFactors` (its ``ssm``: :class:`latim_jax.kernels.decay.SSM`):
 
     M_{i,t}   = hidden attention (Mamba-2 per head, Mamba-1 per channel with the n-sum), plus [i=t] D
     V_{i,j}   = G_i * sum_k M_{i,j+k} a_k[j]               (e,)   k < K conv taps
@@ -34,8 +34,11 @@ pallas-notes is not implemented yet.
 Glossary: b batch, l length, r target rows, d model width, e inner width, n state size, h heads,
 p head dim, g groups, k conv taps (K of them), ti/tj tile rows/columns, dt d tile, ec e chunk.
 
-Order of this file: block sizes, forward drivers, custom_vjp public function, reference (last); the
-kernel bodies (tile math, TPU and GPU kernels) are in kernels/fused_scores_tiles.py.
+Order of this file: forward drivers, custom_vjp public function; the kernel bodies (tile math, TPU and
+GPU kernels) are in kernels/fused_scores_tiles.py, the elementwise decay entry they share with the XLA
+path in kernels/decay.py. The reference is the library's blocked pure-JAX score path
+(:func:`latim_jax.latim.scores.blocked_scores`), passed in as ``reference`` (kernels import nothing
+above them): the backward is its VJP and the tests compare the two.
 """
 
 from __future__ import annotations
@@ -49,10 +52,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from latim_jax.kernels import f32
 from latim_jax.kernels.block_sizes import (
+    Blocks,
     gpu_compiler_params,
     next_pow2,
-    normalize_platform,
     resolve_target,
     round_up,
 )
@@ -64,63 +68,16 @@ from latim_jax.kernels.fused_scores_tiles import (
 )
 
 METHODS = ("l2", "l1", "alti", "logit")
-f32 = jnp.float32
+PRECISIONS = ("float32", "bfloat16")
 _sq = pl.squeezed
 
-# --------------------------------------------------------------------------------------------------
-# Block sizes
-# --------------------------------------------------------------------------------------------------
 
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ScoreBlockSizes:
-    """Tiles of the fused score kernel; build one with ``ScoreBlockSizes.for_platform(platform)``.
-
-    rows, cols: target rows ti and source columns tj per tile. TPU: rows a multiple of 8 and cols a
-        multiple of 128, or the whole (padded) axis; GPU: powers of two >= 16.
-    d: the d tile. None: TPU all of d up to 1024, else the largest multiple of 128 dividing d below
-        that; GPU all of d (as a power of two). Else TPU a multiple of 128 or all of d, GPU a power
-        of two >= 16.
-    e: channels per step. TPU: the e-chunk of the "arbitrary" grid axis (whole heads for Mamba-2; a
-        multiple of 128 or all of e). GPU Mamba-1: the channel chunk of the in-kernel loop (a power
-        of two); GPU Mamba-2 always steps one head.
-    precision: "highest" (fp32 matmuls; what the tests check) or "default" (bf16 MXU passes on TPU,
-        TF32 on GPU: faster, ~1e-3 relative error).
-    num_warps: Triton warps per program. vmem_limit_bytes: Mosaic's scoped-VMEM limit.
-    """
-
-    rows: int = 8
-    cols: int = 128
-    d: int | None = None
-    e: int = 256
-    precision: str = "highest"
-    num_warps: int = 4
-    vmem_limit_bytes: int = 48 * 1024 * 1024
-
-    def __post_init__(self):
-        for name in ("rows", "cols", "e", "num_warps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"ScoreBlockSizes.{name} must be >= 1, found {getattr(self, name)}")
-        if self.d is not None and self.d < 1:
-            raise ValueError(f"ScoreBlockSizes.d must be >= 1 or None, found {self.d}")
-        if self.precision not in ("highest", "default"):
-            raise ValueError(
-                f"ScoreBlockSizes.precision must be 'highest' or 'default', found {self.precision!r}"
-            )
-
-    @classmethod
-    def for_platform(cls, platform: str) -> ScoreBlockSizes:
-        """Defaults for "tpu", "gpu" (also "cuda"/"rocm") or "cpu" (interpret mode: few, big tiles)."""
-        platform = normalize_platform(platform)
-        if platform == "tpu":
-            return cls(rows=8, cols=128, d=None, e=256)
-        if platform == "gpu":
-            return cls(rows=16, cols=16, d=64, e=32, num_warps=4)
-        return cls(rows=8, cols=64, d=None, e=1024)
-
-
-def _precision(block_sizes: ScoreBlockSizes):
-    return lax.Precision.HIGHEST if block_sizes.precision == "highest" else lax.Precision.DEFAULT
+def _precision(precision: str):
+    """The kernel's matmul precision: "float32" -> HIGHEST (fp32 passes; what the tests check),
+    "bfloat16" -> DEFAULT (bf16 MXU passes on TPU, TF32 on GPU: faster, ~1e-3 relative error)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, found {precision!r}")
+    return lax.Precision.HIGHEST if precision == "float32" else lax.Precision.DEFAULT
 
 
 # --------------------------------------------------------------------------------------------------
@@ -171,9 +128,9 @@ def _prepare(f, method, rows, aux, rp: int, lp: int, dp: int) -> _Prepared:
         G, W = G * take(aux), jnp.ones((e, 1), f32)
     W = jnp.pad(W, ((0, 0), (0, dp - W.shape[1])))
     a = jnp.pad(jnp.moveaxis(f.a.astype(f32), 0, 1), ((0, 0), (0, 0), (0, lp - l), (0, 0)))
-    dec = (f.delta, f.decay.hi, f.decay.lo)
+    dec = (f.ssm.delta, f.ssm.decay.hi, f.ssm.decay.lo)
     src = jnp.stack([_shift_stack(x.astype(f32), K, lp) for x in dec], axis=1)
-    tgt = jnp.stack([take(f.decay.hi), take(f.decay.lo)], axis=1)
+    tgt = jnp.stack([take(f.ssm.decay.hi), take(f.ssm.decay.lo)], axis=1)
     hout = None
     if method == "alti":
         h = f.h.astype(f32)
@@ -186,10 +143,10 @@ def _prepare(f, method, rows, aux, rp: int, lp: int, dp: int) -> _Prepared:
         G=G,
         src=src,
         tgt=tgt,
-        A=f.A.astype(f32),
-        D=f.D.astype(f32),
-        C=take(f.C),
-        B=_shift_stack(f.B.astype(f32), K, lp),
+        A=f.ssm.A.astype(f32),
+        D=f.ssm.D.astype(f32),
+        C=take(f.ssm.C),
+        B=_shift_stack(f.ssm.B.astype(f32), K, lp),
         hout=hout,
     )
 
@@ -228,7 +185,7 @@ def _tpu_d_tile(d: int) -> int:
     return round_up(-(-d // -(-d // _TPU_MAX_D)), 128)
 
 
-def _forward_tpu(f, method, rows, aux, bs: ScoreBlockSizes, interpret: bool):
+def _forward_tpu(f, method, rows, aux, bs: Blocks, precision: str, interpret: bool):
     K, b, l, e = f.a.shape
     d = f.W_out.shape[1] if method != "logit" else 1
     r = rows.shape[0]
@@ -243,11 +200,11 @@ def _forward_tpu(f, method, rows, aux, bs: ScoreBlockSizes, interpret: bool):
                     f"TPU fused-score block {name}={v} must be a multiple of {m} or the whole axis"
                 )
     x = _prepare(f, method, rows, aux, rp, lp, dp)
-    heads = f.heads
-    p, n = e // heads, f.B.shape[-1]
+    heads = f.ssm.heads
+    p, n = e // heads, f.ssm.B.shape[-1]
     ni, nj, nd = rp // ti, lp // tj, dp // dt
-    prec = _precision(bs)
-    if f.version == 2:
+    prec = _precision(precision)
+    if f.ssm.version == 2:
         ec = _tpu_channel_chunk(2, e, p, heads, bs.e, interpret)
     else:
         ec = _tpu_channel_chunk(1, e, 1, e, bs.e, interpret)
@@ -272,7 +229,7 @@ def _forward_tpu(f, method, rows, aux, bs: ScoreBlockSizes, interpret: bool):
     rows_t = x.rows.astype(f32).reshape(ni, 1, ti)
     a_t = jnp.swapaxes(x.a, 2, 3)  # (b, K, e, lp)
     W_t = x.W.T  # (dp, e)
-    if f.version == 2:
+    if f.ssm.version == 2:
         hc, rep = ec // p, heads // x.C.shape[2]
         src = jnp.moveaxis(jnp.swapaxes(x.src, 3, 4), 3, 1)  # (b, h, 3, K, lp)
         tgt = _tile_t(x.tgt.transpose(0, 2, 3, 1), ti)  # (b, ni, h, 2, ti)
@@ -339,7 +296,7 @@ def _forward_tpu(f, method, rows, aux, bs: ScoreBlockSizes, interpret: bool):
     return out, x
 
 
-def _forward_gpu(f, method, rows, aux, bs: ScoreBlockSizes, interpret: bool):
+def _forward_gpu(f, method, rows, aux, bs: Blocks, precision: str, interpret: bool):
     K, b, l, e = f.a.shape
     d = f.W_out.shape[1] if method != "logit" else 1
     r = rows.shape[0]
@@ -347,9 +304,9 @@ def _forward_gpu(f, method, rows, aux, bs: ScoreBlockSizes, interpret: bool):
     ti = min(bs.rows, max(next_pow2(r), floor))
     tj = min(bs.cols, max(next_pow2(l), floor))
     dt = min(next_pow2(d) if bs.d is None else bs.d, max(next_pow2(d), floor))
-    heads, n = f.heads, f.B.shape[-1]
+    heads, n = f.ssm.heads, f.ssm.B.shape[-1]
     p = e // heads
-    ec = p if f.version == 2 else min(bs.e, next_pow2(e))
+    ec = p if f.ssm.version == 2 else min(bs.e, next_pow2(e))
     if not interpret:
         for name, v in (("rows", ti), ("cols", tj), ("d", dt), ("head dim / e chunk", ec), ("n", n)):
             if v & (v - 1) or v < (16 if name != "head dim / e chunk" else 1):
@@ -357,9 +314,9 @@ def _forward_gpu(f, method, rows, aux, bs: ScoreBlockSizes, interpret: bool):
     rp, lp, dp = round_up(r, ti), round_up(l, tj), round_up(d, dt)
     x = _prepare(f, method, rows, aux, rp, lp, dp)
     ni, nj, nd = rp // ti, lp // tj, dp // dt
-    prec = _precision(bs)
+    prec = _precision(precision)
     a, W, G = x.a, x.W, x.G
-    if f.version == 2:
+    if f.ssm.version == 2:
         rep = heads // x.C.shape[2]
         g = x.C.shape[2]
         src = jnp.swapaxes(x.src, 3, 4)  # (b, 3, K, h, lp)
@@ -408,7 +365,7 @@ def _forward_gpu(f, method, rows, aux, bs: ScoreBlockSizes, interpret: bool):
         grid=(b, ni, nj, nd),
         in_specs=in_specs,
         out_specs=_spec((_sq, _sq, ti, tj), lambda bi, i, j, dd: (bi, dd, i, j)),
-        compiler_params=gpu_compiler_params(bs.num_warps),
+        compiler_params=gpu_compiler_params(bs.num_warps_scores),
         interpret=interpret,
     )(*arrays)
     return out, x
@@ -434,14 +391,14 @@ def _finish(method, partial, x: _Prepared, rows, length: int):
 
 
 def _fused_forward(f, method, rows, aux, config):
-    block_sizes, target, interpret = config
+    block_sizes, precision, target, interpret, _ = config
     forward = _forward_tpu if target == "tpu" else _forward_gpu
-    partial, prepared = forward(f, method, rows, aux, block_sizes, interpret)
-    return _finish(method, partial, prepared, rows, f.length)
+    partial, prepared = forward(f, method, rows, aux, block_sizes, precision, interpret)
+    return _finish(method, partial, prepared, rows, f.ssm.length)
 
 
 # --------------------------------------------------------------------------------------------------
-# Public function: custom_vjp whose backward is the VJP of the pure-JAX blocked reference.
+# Public function: custom_vjp whose backward is the VJP of the given pure-JAX reference.
 # --------------------------------------------------------------------------------------------------
 
 
@@ -455,9 +412,14 @@ def _fused_fwd(f, method, rows, aux, config):
 
 
 def _fused_bwd(method, config, residuals, cotangent):
-    del config
+    reference = config[-1]
+    if reference is None:
+        raise ValueError(
+            "fused_layer_scores was called without reference=: its backward is the VJP of the pure-JAX "
+            "reference (latim_jax.latim.scores.blocked_scores), so pass one to differentiate"
+        )
     f, rows, aux = residuals
-    _, vjp = jax.vjp(lambda f_, aux_: fused_scores_reference(f_, method, rows, aux=aux_), f, aux)
+    _, vjp = jax.vjp(lambda f_, aux_: reference(f_, method, rows, aux_), f, aux)
     df, daux = vjp(cotangent)
     return df, None, daux
 
@@ -471,44 +433,34 @@ def fused_layer_scores(
     rows,
     *,
     aux=None,
-    block_sizes: ScoreBlockSizes | None = None,
+    block_sizes: Blocks | None = None,
+    precision: str = "float32",
+    reference=None,
     platform=None,
     interpret=None,
 ):
     """Unnormalised scores (b, len(rows), l) of one layer, fp32, T never materialised.
 
-    f: a :class:`latim_jax.decomposition.LayerFactors`; method: "l2" | "l1" | "alti" | "logit" (alti
+    f: a :class:`latim_jax.latim.mamba.MambaFactors`; method: "l2" | "l1" | "alti" | "logit" (alti
     before row normalisation: the caller normalises; logit needs aux (b, l, e), the per-target
-    readout q). rows: (r,) int target positions. Equal to ``fused_scores_reference`` (the blocked
-    pure-JAX path) to fp32 rounding. platform: "tpu" | "gpu" kernel variant (None: the default
-    backend; on CPU the TPU variant); interpret: None runs interpret mode exactly on CPU.
-    Differentiable (the backward is the reference's VJP) and vmappable.
+    readout q). rows: (r,) int target positions. block_sizes: :class:`~latim_jax.kernels.block_sizes.
+    Blocks` (None fields: ``Blocks.for_platform``'s). precision: "float32" (HIGHEST matmuls) or
+    "bfloat16" (DEFAULT). reference: ``reference(f, method, rows, aux) -> (b, r, l)``, the pure-JAX
+    path this kernel equals to fp32 rounding; the backward is its VJP (None: not differentiable).
+    platform: "tpu" | "gpu" kernel variant (None: the default backend; on CPU the TPU variant);
+    interpret: None runs interpret mode exactly on CPU. vmappable.
     """
     if method not in METHODS:
         raise ValueError(f"fused scores support {METHODS}, found {method!r}")
     if method == "logit" and aux is None:
         raise ValueError("method 'logit' needs aux (b, l, e)")
+    _precision(precision)
     rows = jnp.asarray(rows, jnp.int32)
     if rows.ndim != 1 or rows.shape[0] < 1:
         raise ValueError(f"rows must be a non-empty 1-D index array, found shape {rows.shape}")
     target, interpret = resolve_target(platform, interpret)
-    if block_sizes is None:
-        block_sizes = ScoreBlockSizes.for_platform("cpu" if interpret else target)
-    if f.version == 2 and f.heads % f.B.shape[2]:
-        raise ValueError(f"heads h={f.heads} must be a multiple of groups g={f.B.shape[2]}")
+    block_sizes = (block_sizes or Blocks()).over(Blocks.for_platform("cpu" if interpret else target))
+    if f.ssm.version == 2 and f.ssm.heads % f.ssm.B.shape[2]:
+        raise ValueError(f"heads h={f.ssm.heads} must be a multiple of groups g={f.ssm.B.shape[2]}")
     aux = None if method != "logit" else aux
-    return _fused_custom_vjp(f, method, rows, aux, (block_sizes, target, interpret))
-
-
-# --------------------------------------------------------------------------------------------------
-# Reference: the blocked pure-JAX path of latim_jax.scores (imported lazily: scores may import us).
-# --------------------------------------------------------------------------------------------------
-
-
-def fused_scores_reference(f, method: str, rows, *, aux=None, blocks=None):
-    """``blocked(pair_score)`` of latim_jax.scores: (b, len(rows), l), alti before normalisation."""
-    from latim_jax.scores import Blocks, blocked, pair_score
-
-    blocks = blocks or Blocks.for_layer(f.version, f.length)
-    rows = jnp.asarray(rows, jnp.int32)
-    return blocked(lambda rb, j0: pair_score(f, method, rb, j0, blocks.cols, aux), rows, f.length, blocks)
+    return _fused_custom_vjp(f, method, rows, aux, (block_sizes, precision, target, interpret, reference))

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-f32 = jnp.float32
+from latim_jax.kernels import f32
+from latim_jax.kernels.decay import m1_entry, m2_entry, with_skip
 
 
 def _dot(a, b, precision):  # (m, k) (k, n) -> (m, n)
@@ -79,11 +80,6 @@ def _pick_sublane(x, i):
 def _loop(n: int, body, init):
     """fori_loop over range(n) with an int32 index (also under jax_enable_x64: Mosaic has no int64)."""
     return lax.fori_loop(jnp.int32(0), jnp.int32(n), body, init)
-
-
-def _decay_factor(mask, A, seg):
-    """exp(A seg) on causal entries, the exponent masked before exp (seg >= 0 there, A < 0)."""
-    return jnp.exp(jnp.where(mask, A * seg, 0.0))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -166,8 +162,8 @@ def _m2_kernel_tpu(
                 for hh, (cb, A, D, tgt) in enumerate(heads):
                     hl = _pick_lane(tgt, i)  # (2, 1)
                     seg = (hl[0:1] - src_ref[hh, 1, k : k + 1, :]) + (hl[1:2] - src_ref[hh, 2, k : k + 1, :])
-                    m = _pick_sublane(cb[k], i) * _decay_factor(mask, A, seg) * src_ref[hh, 0, k : k + 1, :]
-                    m = jnp.where(mask, m, 0.0) + jnp.where(diag, D, 0.0)  # (1, tj)
+                    m = m2_entry(_pick_sublane(cb[k], i), A, seg, src_ref[hh, 0, k : k + 1, :], mask)
+                    m = with_skip(m, diag, D)  # (1, tj)
                     pieces.append(jnp.broadcast_to(m, (p, tj)))
                 M = pieces[0] if hc == 1 else jnp.concatenate(pieces, axis=0)  # (ec, tj), per channel
                 X = X + M * a_ref[k]
@@ -200,10 +196,10 @@ def _m1_kernel_tpu(
             X = jnp.zeros(a_ref.shape[1:], f32)
             for k in range(K):
                 mask, diag = jpos + k <= r_i, jpos + k == r_i
-                seg = jnp.where(mask, (hi - src_ref[1, k]) + (lo - src_ref[2, k]), 0.0)  # (ec, tj)
+                seg = (hi - src_ref[1, k]) + (lo - src_ref[2, k])  # (ec, tj)
                 cb = C * b_ref[k]  # (n, tj): C_i[n] B_{j+k}[n]
-                s = sum(cb[q : q + 1] * jnp.exp(A_cols[q] * seg) for q in range(n))
-                M = jnp.where(mask, s * src_ref[0, k], 0.0) + jnp.where(diag, D, 0.0)
+                M = m1_entry([cb[q : q + 1] for q in range(n)], A_cols, seg, src_ref[0, k], mask)
+                M = with_skip(M, diag, D)
                 X = X + M * a_ref[k]
             acc_ref[i] += _dot(w_ref[...] * _pick_sublane(g, i), X, prec)
             return carry
@@ -274,8 +270,8 @@ def _m2_kernel_gpu(rows_ref, a_ref, w_ref, g_ref, src_ref, tgt_ref, ad_ref, c_re
             for k in range(K):
                 mask, diag = jpos + k <= rcol, jpos + k == rcol  # (ti, tj)
                 seg = (hi - src_ref[1, k, one, :]) + (lo - src_ref[2, k, one, :])  # (ti, tj)
-                m = _dot_nt(C, b_ref[grp, k], prec) * _decay_factor(mask, A, seg) * src_ref[0, k, one, :]
-                m = jnp.where(mask, m, 0.0) + jnp.where(diag, D, 0.0)
+                m = m2_entry(_dot_nt(C, b_ref[grp, k], prec), A, seg, src_ref[0, k, one, :], mask)
+                m = with_skip(m, diag, D)
                 X = X + m[:, :, None] * a_ref[k, :, ch][None]
             V = X * g_ref[:, ch][:, None, :]  # (ti, tj, p)
             return acc + _dot(V.reshape(ti * tj, p), w_ref[ch, :], prec)
@@ -303,12 +299,9 @@ def _m1_kernel_gpu(rows_ref, a_ref, w_ref, g_ref, src_ref, tgt_ref, ad_ref, c_re
                 mask = (jpos + k <= rcol)[:, :, None]  # (ti, tj, 1)
                 diag = (jpos + k == rcol)[:, :, None]
                 seg = (hi - src_ref[1, k, :, ch][None]) + (lo - src_ref[2, k, :, ch][None])  # (ti, tj, ec)
-                seg = jnp.where(mask, seg, 0.0)
-                s = jnp.zeros((ti, tj, ec), f32)
-                for q in range(n):
-                    cb = c_ref[:, pl.ds(q, 1)] * b_ref[k, pl.ds(q, 1), :]  # (ti, tj)
-                    s = s + cb[:, :, None] * jnp.exp(ad_ref[pl.ds(q, 1), ch][None] * seg)
-                M = jnp.where(mask, s * src_ref[0, k, :, ch][None], 0.0) + jnp.where(diag, D, 0.0)
+                cbs = [(c_ref[:, pl.ds(q, 1)] * b_ref[k, pl.ds(q, 1), :])[:, :, None] for q in range(n)]
+                As = [ad_ref[pl.ds(q, 1), ch][None] for q in range(n)]  # n x (1, 1, ec)
+                M = with_skip(m1_entry(cbs, As, seg, src_ref[0, k, :, ch][None], mask), diag, D)
                 X = X + M * a_ref[k, :, ch][None]
             V = X * g_ref[:, ch][:, None, :]
             return acc + _dot(V.reshape(ti * tj, ec), w_ref[ch, :], prec)

@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from latim_jax.kernels.block_sizes import (
-    BlockSizes,
+    Blocks,
     gpu_compiler_params,
     next_pow2,
     resolve_target,
@@ -95,7 +95,7 @@ def _scan_kernel_gpu(delta_ref, du_ref, At_ref, B_ref, C_ref, h0_ref, y_ref, hT_
 # --------------------------------------------------------------------------------------------------
 
 
-def _scan_tiles_tpu(l: int, e: int, bs: BlockSizes, interpret: bool) -> tuple[int, int]:
+def _scan_tiles_tpu(l: int, e: int, bs: Blocks, interpret: bool) -> tuple[int, int]:
     """(tl, te) for the TPU variant; checks the Mosaic (8, 128) block rule unless interpreting."""
     l8 = round_up(l, 8)
     tl = l8 if l8 <= bs.scan_block_l else bs.scan_block_l
@@ -117,7 +117,7 @@ def _pad_axis(x, axis: int, size: int):
     return jnp.pad(x, widths)
 
 
-def _scan_forward_tpu(delta, du, A, B, C, h0, bs: BlockSizes, interpret: bool):
+def _scan_forward_tpu(delta, du, A, B, C, h0, bs: Blocks, interpret: bool):
     """pallas_call of the TPU variant. Returns (y_ssm (b, l, e), final state (b, e, n))."""
     b, l, e = delta.shape
     n = A.shape[1]
@@ -147,7 +147,7 @@ def _scan_forward_tpu(delta, du, A, B, C, h0, bs: BlockSizes, interpret: bool):
     return y[:, :l, :e], hT[:, :, :e].swapaxes(1, 2)
 
 
-def _scan_forward_gpu(delta, du, A, B, C, h0, bs: BlockSizes, interpret: bool):
+def _scan_forward_gpu(delta, du, A, B, C, h0, bs: Blocks, interpret: bool):
     """pallas_call of the GPU variant. Returns (y_ssm (b, l, e), final state (b, e, n))."""
     b, l, e = delta.shape
     n = A.shape[1]
@@ -221,8 +221,7 @@ def selective_scan_pallas(
     is the VJP of ``selective_scan_reference`` (a custom_jvp: any order of differentiation works).
     """
     target, interpret = resolve_target(platform, interpret)
-    if block_sizes is None:
-        block_sizes = BlockSizes.for_platform("cpu" if interpret else target)
+    block_sizes = (block_sizes or Blocks()).over(Blocks.for_platform("cpu" if interpret else target))
     if initial_state is None:  # the kernel always takes one: a custom_jvp needs array arguments
         initial_state = jnp.zeros((u.shape[0], u.shape[2], A.shape[1]), jnp.float32)
     return _scan_custom(u, delta, A, B, C, D, initial_state, (block_sizes, target, interpret))

@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from latim_jax.kernels.block_sizes import (
-    BlockSizes,
+    Blocks,
     gpu_compiler_params,
     next_pow2,
     resolve_target,
@@ -293,8 +293,7 @@ def ssd_pallas(
     VJP of ``ssd_reference`` (a custom_jvp: any order of differentiation works).
     """
     target, interpret = resolve_target(platform, interpret)
-    if block_sizes is None:
-        block_sizes = BlockSizes.for_platform("cpu" if interpret else target)
+    block_sizes = (block_sizes or Blocks()).over(Blocks.for_platform("cpu" if interpret else target))
     if x.shape[2] % B.shape[2]:
         raise ValueError(f"heads h={x.shape[2]} must be a multiple of groups g={B.shape[2]}")
     config = (block_sizes, target, interpret)

@@ -1,22 +1,20 @@
 """latim-jax: LaTIM token-to-token interactions for Mamba-1 and Mamba-2 in JAX.
 
 Public API: :func:`load`, :func:`attribute`, :func:`contributions`, :func:`conservation_error`,
-:class:`Attribution`, :class:`MambaConfig`, :class:`MambaLM`, :func:`shard` (lay a model out on a device
-mesh; see :mod:`latim_jax.sharding`), :func:`open_results` (read an attribute-dataset run).
+:class:`Attribution`, :class:`MambaConfig`, :class:`MambaLM`, :class:`Blocks` (tile sizes), :func:`shard`
+(lay a model out on a device mesh; see :mod:`latim_jax.model.sharding`), :func:`open_results` (read an
+attribute-dataset run). docs/architecture.md says where each concern lives.
 """
 
-__version__ = "0.1.0"
-
-from latim_jax.attribution import attribute, conservation_error, contributions  # noqa: E402
-from latim_jax.config import MambaConfig  # noqa: E402
-from latim_jax.dataset import open_results  # noqa: E402
-from latim_jax.loading import load  # noqa: E402
-from latim_jax.model import MambaLM  # noqa: E402
-from latim_jax.results import Attribution  # noqa: E402
-from latim_jax.sharding import shard  # noqa: E402
+from latim_jax.io.loading import load
+from latim_jax.io.results import Attribution
+from latim_jax.latim import Blocks, attribute, conservation_error, contributions, open_results
+from latim_jax.model import MambaConfig, MambaLM, shard
+from latim_jax.version import __version__
 
 __all__ = [
     "Attribution",
+    "Blocks",
     "MambaConfig",
     "MambaLM",
     "attribute",

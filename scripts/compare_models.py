@@ -17,11 +17,18 @@ import json
 import sys
 from pathlib import Path
 
-from latim_jax import progress
-from latim_jax.cli import load_model
-from latim_jax.cli_args import EXIT_OK, EXIT_USAGE, UsageError, check_outputs, nonnegative_int, positive_int
-from latim_jax.evaluate import LATIM_METHODS, compare_models, format_comparison_table
-from latim_jax.results import write_bytes_atomic
+from latim_jax.cli.args import (
+    EXIT_OK,
+    EXIT_USAGE,
+    UsageError,
+    check_outputs,
+    load_model,
+    nonnegative_int,
+    positive_int,
+)
+from latim_jax.io import progress
+from latim_jax.io.atomic import write_bytes_atomic
+from latim_jax.tasks.evaluate import LATIM_METHODS, compare_models, format_comparison_table
 
 
 def main(argv=None) -> int:

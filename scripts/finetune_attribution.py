@@ -1,5 +1,5 @@
 """Fine-tune a task model with an attribution term in the loss, and report accuracy and attribution AUC
-before and after (latim_jax.finetune: gradients flow through latim_jax.attribute).
+before and after (latim_jax.tasks.finetune: gradients flow through latim_jax.attribute).
 
 Usage: python scripts/finetune_attribution.py SOURCE OUT [--steps 300] [--lam 1.0] [--method l2]
        [--layer -1] [--lr 1e-3] [--batch-size 32] [--n 128] [--json REPORT.json]
@@ -21,11 +21,18 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from latim_jax import progress
-from latim_jax.cli import load_model
-from latim_jax.cli_args import EXIT_OK, EXIT_USAGE, UsageError, check_outputs, nonnegative_int, positive_int
-from latim_jax.finetune import FinetuneConfig, attribution_quality, finetune
-from latim_jax.results import write_bytes_atomic
+from latim_jax.cli.args import (
+    EXIT_OK,
+    EXIT_USAGE,
+    UsageError,
+    check_outputs,
+    load_model,
+    nonnegative_int,
+    positive_int,
+)
+from latim_jax.io import progress
+from latim_jax.io.atomic import write_bytes_atomic
+from latim_jax.tasks.finetune import FinetuneConfig, attribution_quality, finetune
 
 
 def main(argv=None) -> int:

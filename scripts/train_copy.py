@@ -4,7 +4,7 @@ Usage: python scripts/train_copy.py CONFIG OUT_DIR [--steps N] [--quiet]
 
 CONFIG: e.g. configs/copy-mamba1.json. OUT_DIR (relative to the current directory or absolute)
 receives params/ (orbax), latim_config.json, task.json and tokenizer.json (written atomically); see
-latim_jax.train.save_trained. Exit codes as the latim-jax CLI: 0 ok, 2 a bad config or path.
+latim_jax.tasks.train.save_trained. Exit codes as the latim-jax CLI: 0 ok, 2 a bad config or path.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from latim_jax import progress
-from latim_jax.cli_args import EXIT_OK, EXIT_USAGE, positive_int
-from latim_jax.train import train_from_config
+from latim_jax.cli.args import EXIT_OK, EXIT_USAGE, positive_int
+from latim_jax.io import progress
+from latim_jax.tasks.train import train_from_config
 
 
 def main(argv=None) -> int:

@@ -10,8 +10,8 @@ import pytest
 
 from latim_jax import tasks
 from latim_jax.cli import main
-from latim_jax.cli_args import EXIT_FAILED, EXIT_OK, EXIT_USAGE
-from latim_jax.loading import ASSETS, SHIPPED
+from latim_jax.cli.args import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from latim_jax.io.loading import ASSETS, SHIPPED
 
 ROOT = Path(__file__).resolve().parents[1]
 METHOD = ROOT / "docs" / "method.md"

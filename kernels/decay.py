@@ -1,0 +1,240 @@
+"""The hidden attention M of a Mamba layer (the decay tile): its ONE definition (shape letters: see
+latim_jax.model.config; c = e channels for Mamba-1, h heads for Mamba-2).
+
+    Mamba-1, per channel e:  M_{i,t}[e] = sum_n C_i[n] B_t[n] Delta_t[e] exp(A[e,n] (S_i[e] - S_t[e]))
+    Mamba-2, per head h:     M_{i,t}[h] = (C_i[g(h)] . B_t[g(h)]) Delta_t[h] exp(A[h] (S_i[h] - S_t[h]))
+    plus [i = t] D on the diagonal, and M_{i,t} = 0 for t > i,
+
+with S_i = sum_{k<=i} Delta_k. S is held as a compensated (double-float) cumulative sum, so the segment
+sums S_i - S_t keep fp32 relative accuracy at any length, and the exponent is masked before
+exponentiating (never exp of a difference of long cumulative sums, never an overflow whose gradient
+would be NaN).
+
+Who uses what:
+- the elementwise entry (:func:`m2_entry`, :func:`m1_entry`, :func:`with_skip`) is the formula itself:
+  :func:`decay_tile` builds blocks of M from it, and every tile body of the fused score kernel
+  (kernels/fused_scores_tiles.py) calls the same functions on its in-kernel layout;
+- :func:`decay_tile` is the block-level M of the XLA score path, the hidden-attention baseline and
+  (through them) the fused kernel's reference;
+- Mamba-1 tiles whose every source precedes every target (:func:`is_far`) factor the decay through the
+  tile's first target (:func:`far_factors`), so that a per-channel (r x n)(n x q) product replaces the
+  r q e n exponentials: :func:`far_tile` (M itself), :func:`far_tapped` (M applied to the conv taps,
+  never forming M) and :func:`far_mean` (M's mean over channels).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from latim_jax.kernels import f32
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Decay:
+    """Compensated cumulative sums of Delta: S = hi + lo, each (b, l, c)."""
+
+    hi: jax.Array
+    lo: jax.Array
+
+
+def compensated_cumsum(delta) -> Decay:
+    """S_t = sum_{k<=t} delta_k along axis 1 as an unevaluated sum hi + lo (TwoSum per step)."""
+
+    def step(carry, x):
+        hi, lo = carry
+        s = hi + x
+        bb = s - hi
+        err = (hi - (s - bb)) + (x - bb)
+        lo = lo + err
+        return (s, lo), (s, lo)
+
+    zero = jnp.zeros_like(delta[:, 0])
+    _, (hi, lo) = jax.lax.scan(step, (zero, zero), jnp.swapaxes(delta.astype(f32), 0, 1))
+    return Decay(jnp.swapaxes(hi, 0, 1), jnp.swapaxes(lo, 0, 1))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SSM:
+    """What M is built from, for one layer (fp32): A (e, n) Mamba-1 / (h,) Mamba-2; D (e,) / (h,);
+    delta (b, l, c); B, C (b, l, n) Mamba-1 / (b, l, g, n) Mamba-2; decay = S (:class:`Decay`)."""
+
+    version: int = dataclasses.field(metadata=dict(static=True))
+    A: jax.Array
+    D: jax.Array
+    delta: jax.Array
+    B: jax.Array
+    C: jax.Array
+    decay: Decay
+
+    @classmethod
+    def build(cls, version: int, A, D, delta, B, C) -> SSM:
+        """The SSM of a layer, its cumulative sums of Delta computed here."""
+        return cls(version, A, D, delta, B, C, compensated_cumsum(delta))
+
+    @property
+    def length(self) -> int:
+        """Sequence length l."""
+        return self.delta.shape[1]
+
+    @property
+    def heads(self) -> int:
+        """c: the maps' channel count, e (Mamba-1) or h (Mamba-2)."""
+        return self.A.shape[0]
+
+
+# --------------------------------------------------------------------------------------------------
+# The entry: elementwise, broadcasting, also traced inside the fused kernels' tile bodies.
+# --------------------------------------------------------------------------------------------------
+
+
+def m2_entry(cb, A, seg, dt, causal):
+    """Mamba-2 M without D: cb * exp(A seg) * dt where ``causal``, exactly 0 elsewhere (the exponent is
+    masked before exp). cb = C_i . B_t of the head's group, seg = S_i - S_t, dt = Delta_t."""
+    return jnp.where(causal, cb * jnp.exp(jnp.where(causal, A * seg, 0.0)) * dt, 0.0)
+
+
+def m1_entry(cb_terms, A_terms, seg, dt, causal):
+    """Mamba-1 M without D: (sum_n cb_n exp(A_n seg)) * dt where ``causal``, exactly 0 elsewhere.
+    ``cb_terms`` / ``A_terms``: the n values of C_i[n] B_t[n] and of A[:, n], each broadcastable
+    against seg; the n-sum is n fused passes over the seg block (no (.., e, n) tensor)."""
+    seg = jnp.where(causal, seg, 0.0)
+    s = sum(cb * jnp.exp(a * seg) for cb, a in zip(cb_terms, A_terms, strict=True))
+    return jnp.where(causal, s * dt, 0.0)
+
+
+def with_skip(M, diag, D):
+    """M + [i = t] D: the skip term on the diagonal."""
+    return M + jnp.where(diag, D, 0.0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Blocks of M for target rows x source columns (index arrays).
+# --------------------------------------------------------------------------------------------------
+
+
+def segment_sum(decay: Decay, rows, cols):
+    """S_i - S_t for target positions ``rows`` (r,) and source positions ``cols`` (q,): (b, r, q, c)."""
+    hi_i, lo_i = decay.hi[:, rows], decay.lo[:, rows]
+    hi_t, lo_t = decay.hi[:, cols], decay.lo[:, cols]
+    return (hi_i[:, :, None] - hi_t[:, None]) + (lo_i[:, :, None] - lo_t[:, None])
+
+
+def causal_mask(rows, cols, length):
+    """(r, q) bool: source t <= target i and t inside the sequence."""
+    return (cols[None, :] <= rows[:, None]) & (cols[None, :] < length)
+
+
+def is_far(rows, cols):
+    """Whether a tile is far: every source strictly before every target, so it holds no diagonal entry
+    and no masked pair, and (Mamba-1) its decay factors through its first target."""
+    return jnp.max(cols) < jnp.min(rows)
+
+
+def decay_tile(ssm: SSM, rows, cols, *, with_D=True, direct=False, factors=None, direct_rows=32):
+    """M_{i,t} for i in ``rows``, t in ``cols`` (index arrays; cols may run past the end: zero there):
+    (b, r, q, c).
+
+    Mamba-1: a far tile (:func:`is_far`) is the per-channel product of its factors (``factors``: the
+    (P, Q) of :func:`far_factors` when the caller has them, formed outside the cond: inside, XLA fuses
+    their exponentials into the product); other tiles take the direct form, r q e n exponentials in
+    passes of ``direct_rows`` target rows, rematerialised under differentiation (they are n times the
+    tile's size). ``direct``: the direct form on every tile, without P and Q (for a few rows, where the
+    factored product's operand costs more than the exponentials).
+    """
+    length = ssm.length
+    causal = causal_mask(rows, cols, length)  # (r, q)
+    safe = jnp.minimum(cols, length - 1)
+    dt = ssm.delta[:, safe].astype(f32)[:, None]  # (b, 1, q, c)
+    if ssm.version == 1:
+        direct_form = jax.checkpoint(lambda *_: _m1_direct(ssm, rows, safe, causal, dt, direct_rows))
+        if direct:
+            M = direct_form()
+        else:
+            P, Q = far_factors(ssm, rows, safe) if factors is None else factors
+            M = jax.lax.cond(is_far(rows, cols), far_tile, direct_form, P, Q)
+    else:
+        heads, g = ssm.heads, ssm.C.shape[2]
+        cb = jnp.einsum("brgn,bqgn->brqg", ssm.C[:, rows].astype(f32), ssm.B[:, safe].astype(f32))
+        cb = jnp.repeat(cb, heads // g, axis=-1)  # (b, r, q, h): head h reads group h // (h/g)
+        M = m2_entry(cb, ssm.A, segment_sum(ssm.decay, rows, safe), dt, causal[None, :, :, None])
+    if with_D:
+        diag = (rows[:, None] == cols[None, :])[None, :, :, None]  # (1, r, q, 1)
+        M = with_skip(M, diag, ssm.D.astype(f32))
+    return M
+
+
+def _m1_direct(ssm: SSM, rows, cols, causal, dt, direct_rows: int):
+    """The Mamba-1 direct form (b, r, q, e), in passes of ``direct_rows`` target rows when r is a larger
+    multiple of it (each pass rematerialised: the backward of one pass holds a (pass, q, e, n) block of
+    exponentials, so a 64-row tile costs the backward what a 32-row tile did)."""
+    r = rows.shape[0]
+
+    def one(rows, causal):
+        cb = ssm.C[:, rows][:, :, None, :] * ssm.B[:, cols][:, None, :, :]  # (b, r, q, n)
+        n = ssm.A.shape[1]
+        return m1_entry(
+            [cb[..., k, None] for k in range(n)],
+            [ssm.A[:, k] for k in range(n)],
+            segment_sum(ssm.decay, rows, cols),
+            dt,
+            causal[None, :, :, None],
+        )
+
+    if r <= direct_rows or r % direct_rows:
+        return one(rows, causal)
+    passes = jax.lax.map(
+        jax.checkpoint(lambda args: one(*args)),
+        (rows.reshape(-1, direct_rows), causal.reshape(-1, direct_rows, causal.shape[1])),
+    )  # (passes, b, pass, q, e)
+    passes = jnp.moveaxis(passes, 0, 1)
+    return passes.reshape(passes.shape[0], r, *passes.shape[3:])
+
+
+def far_factors(ssm: SSM, rows, cols):
+    """The two factors of the Mamba-1 M through the reference r = min(rows):
+
+        P[i, e, n] = C_i[n] exp(A[e, n] (S_i - S_r)[e])                (b, r, e, n)
+        Q[t, e, n] = B_t[n] Delta_t[e] exp(A[e, n] (S_r - S_t)[e])     (b, q, e, n)
+
+    so that sum_n P[i, e, n] Q[t, e, n] = M_{i,t}[e] without D for every source t <= r (both
+    exponentials <= 1); ``cols`` must lie inside the sequence. Both exponents are clamped at 0: a
+    source after r gets a finite factor that no caller uses (its tile takes the direct form), never an
+    overflow whose gradient would be NaN."""
+    A = ssm.A
+    ref = jnp.min(rows)[None]
+    to_i = jnp.maximum(segment_sum(ssm.decay, rows, ref)[:, :, 0], 0.0)  # (b, r, e): S_i - S_r
+    from_t = jnp.maximum(segment_sum(ssm.decay, ref, cols)[:, 0], 0.0)  # (b, q, e): S_r - S_t
+    P = ssm.C[:, rows].astype(f32)[:, :, None, :] * jnp.exp(A[None, None] * to_i[..., None])
+    B_dt = ssm.B[:, cols].astype(f32)[:, :, None, :] * ssm.delta[:, cols].astype(f32)[..., None]
+    Q = B_dt * jnp.exp(A[None, None] * from_t[..., None])
+    return P, Q
+
+
+def far_tile(P, Q):
+    """M[i, t, e] = sum_n P[i, e, n] Q[t, e, n] of a far tile (b, r, q, e): a (r x n)(n x q) product per
+    channel, from (r + q) e n exponentials instead of the direct form's r q e n."""
+    return jnp.einsum("bren,bqen->brqe", P, Q)
+
+
+def far_tapped(P, Q, a):
+    """sum_k M_{i,j+k}[e] a_k[j, e] of a far tile, channels first (b, e, r, width), without forming M:
+    the taps go onto the small factor Q (q = width + K - 1 columns), then one per-channel product."""
+    K, width = a.shape[0], a.shape[2]
+    Qa = sum(Q[:, k : k + width] * a[k][..., None] for k in range(K))  # (b, width, e, n)
+    return jnp.einsum("bren,bjen->berj", P, Qa)  # the batched product's own layout
+
+
+def far_mean(P, Q):
+    """The mean over channels of a far tile's M, (b, r, q): one (r x e n)(e n x q) product."""
+    return jnp.einsum("bren,bqen->brq", P, Q) / P.shape[2]
+
+
+def full_hidden_attention(ssm: SSM, *, with_D=True):
+    """The whole (b, l, l, c) M (small inputs only)."""
+    idx = jnp.arange(ssm.length)
+    return decay_tile(ssm, idx, idx, with_D=with_D)

@@ -1,0 +1,93 @@
+"""``latim-jax attribute-dataset``: the command line of :mod:`latim_jax.latim.dataset`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from latim_jax.cli.args import UsageError, load_model, parse_ints, positive_int
+from latim_jax.latim.dataset import DatasetError, attribute_dataset, read_prompts
+from latim_jax.latim.hidden_attention import AGGREGATIONS
+from latim_jax.latim.kinds import MODES
+from latim_jax.latim.scores import METHODS, PRECISIONS
+from latim_jax.model.inputs import check_layers
+from latim_jax.parallel.context import IMPLS
+
+
+def model_tokenizer(model):
+    """``text -> ids`` with the checkpoint's tokenizer.json, or None when it has none."""
+    path = Path(model.tokenizer_dir or "") / "tokenizer.json"
+    if not model.tokenizer_dir or not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(path))
+    return lambda text: tok.encode(text).ids
+
+
+def add_dataset_parser(sub, parents=()) -> None:
+    """Register ``latim-jax attribute-dataset`` on the CLI's subparsers."""
+    p = sub.add_parser(
+        "attribute-dataset",
+        parents=list(parents),
+        help="attribute every prompt of a file into a directory of shards (resumable)",
+        description=(
+            'Attribute every prompt of a .jsonl file ({"id": ..., "text"|"tokens": ...} per line) or a '
+            "text file (one prompt per line, id = line number) into OUT: shards written atomically as "
+            "batches finish; rerunning the same command resumes where it stopped. Read the results with "
+            "latim_jax.open_results(OUT)."
+        ),
+    )
+    p.add_argument("--model", default=None, help="checkpoint (default: the shipped Mamba-2 copy model)")
+    p.add_argument("--input", required=True, help="prompts: .jsonl, or plain text one prompt per line")
+    p.add_argument("--out", required=True, help="output directory (created; reused only by the same run)")
+    p.add_argument("--method", default="alti", choices=METHODS)
+    p.add_argument("--mode", default="exact", choices=MODES)
+    p.add_argument("--aggregation", default="minmax", choices=AGGREGATIONS, help="hidden attention only")
+    p.add_argument("--layers", default=None, help="layer indices, e.g. '0 3' (default: all)")
+    p.add_argument("--rows", default="all", choices=("all", "last"), help="every target row or the last")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="prompts per batch (default 8)")
+    p.add_argument("--max-length", type=positive_int, default=None, help="longer prompts are bad lines")
+    p.add_argument("--on-bad-line", default="fail", choices=("skip", "fail"))
+    p.add_argument("--impl", default="auto", choices=IMPLS)
+    p.add_argument(
+        "--precision",
+        default="float32",
+        choices=PRECISIONS,
+        help="the score path's projection: bfloat16 = bf16 operands, fp32 accumulation (default float32)",
+    )
+    p.set_defaults(func=_cmd_attribute_dataset)
+
+
+def _cmd_attribute_dataset(args) -> None:
+    layers = parse_ints(args.layers, "--layers") if args.layers else None
+    model = load_model(args.model)
+    try:
+        layers = None if layers is None else list(check_layers(layers, model.config.n_layers))
+        prompts = read_prompts(
+            args.input,
+            vocab_size=model.config.vocab_size,
+            tokenize=model_tokenizer(model),
+            max_length=args.max_length,
+            on_bad_line=args.on_bad_line,
+            warn=lambda message: print(f"warning: {message}", file=sys.stderr),
+        )
+        counts = attribute_dataset(
+            model,
+            prompts,
+            args.out,
+            method=args.method,
+            mode=args.mode,
+            layers=layers,
+            rows=args.rows,
+            batch_size=args.batch_size,
+            aggregation=args.aggregation,
+            impl=args.impl,
+            precision=args.precision,
+        )
+    except (DatasetError, ValueError) as err:
+        raise UsageError(str(err)) from err
+    print(
+        f"{args.out}: {counts['computed']} prompts attributed, {counts['done_before']} already there, "
+        f"{counts['total']} in all ({counts['shards']} shards)"
+    )

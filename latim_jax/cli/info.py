@@ -1,0 +1,83 @@
+"""A readable summary of a loaded model (``latim-jax info MODEL``): config, task, sizes, layers and
+vocabulary."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from latim_jax.tasks import vocab
+from latim_jax.tasks.registry import TASK_FIELDS
+
+
+def parameter_counts(params) -> tuple[int, dict[str, int]]:
+    """(number of parameters, bytes per dtype name) of a parameter tree."""
+    count, nbytes = 0, {}
+    for leaf in jax.tree.leaves(params):
+        dtype = np.dtype(leaf.dtype)
+        count += int(np.prod(leaf.shape))
+        nbytes[dtype.name] = nbytes.get(dtype.name, 0) + int(np.prod(leaf.shape)) * dtype.itemsize
+    return count, nbytes
+
+
+def summary(model, path=None) -> str:
+    """Several lines describing ``model`` (from :func:`latim_jax.load`); ``path``: its directory."""
+    c = model.config
+    lines = [f"model: {model.source}" + (f" ({path})" if path else "")]
+    arch = f"Mamba-{c.version}, {c.n_layers} layers, d_model {c.d_model}, inner width {c.d_inner}"
+    arch += f", state {c.d_state}, conv width {c.d_conv}, activation {c.activation}"
+    if c.version == 1:
+        arch += f", dt rank {c.dt_rank}"
+    else:
+        arch += f", {c.n_heads} heads x head dim {c.head_dim}, {c.n_groups} group(s), chunk {c.chunk_size}"
+    lines.append(f"architecture: {arch}")
+    count, nbytes = parameter_counts(model.params())
+    sizes = ", ".join(f"{name} {_bytes(n)}" for name, n in sorted(nbytes.items()))
+    lines.append(f"parameters: {count:,} ({sizes})")
+    layer = model.params()["layers"][0]
+    shapes = ", ".join(f"{k} {tuple(v.shape)}" for k, v in layer["mixer"].items())
+    per_layer, _ = parameter_counts(layer)
+    lines.append(f"layers: {c.n_layers} x [RMSNorm, Mamba-{c.version} mixer] ({per_layer:,} parameters each)")
+    lines.append(f"  mixer parameters: {shapes}")
+    head = "tied to the embedding" if c.tie_embeddings else "separate lm_head"
+    lines.append(f"embedding: ({c.vocab_size}, {c.d_model}); output head {head}")
+    cfg = ", ".join(f"{k}={v}" for k, v in sorted(c.to_dict().items()))
+    lines.append(f"config: {cfg}")
+    lines.append(f"task: {_task(model.task)}")
+    lines.append(_vocabulary(model))
+    return "\n".join(lines)
+
+
+def _task(task: dict | None) -> str:
+    if not task:
+        return "none (not a task model)"
+    fields = TASK_FIELDS.get(task.get("name"), tuple(task))
+    text = ", ".join(f"{k} {task[k]}" for k in fields if k in task and k != "name")
+    text = f"{task.get('name')} ({text})"
+    if "final_token_accuracy" in task:
+        training = task.get("training", {})
+        steps = training.get("steps_run", training.get("steps", "?"))
+        text += (
+            f"; trained {steps} steps ({training.get('init', '?')} init), held-out token accuracy "
+            f"{task['final_token_accuracy']:.3f}"
+        )
+    return text
+
+
+def _vocabulary(model) -> str:
+    tok = vocab.load_tokenizer(model)
+    if tok is None:
+        return f"vocabulary: {model.config.vocab_size} ids, no tokenizer (pass ids with --tokens)"
+    directory = getattr(model, "tokenizer_dir", "")
+    origin = "tokenizer.json" if directory else "the task's words (no tokenizer.json)"
+    n = model.config.vocab_size
+    listing = vocab.describe(vocab.model_words(model) or [])
+    return f"vocabulary: {n} ids, from {origin}: {listing}"
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"

@@ -1,0 +1,409 @@
+"""The ``latim-jax`` command line: convert, check, info, attribute, generate, evaluate.
+
+Every path is taken relative to the current directory. A user error (bad argument, unknown model,
+unwritable output) prints one ``error: ...`` line on stderr and exits with 2, before any long
+computation; ``check`` exits with 1 when it prints FAIL. Progress bars go to stderr when it is a
+terminal (``--quiet`` turns them off).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from argparse import RawDescriptionHelpFormatter
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import numpy as np
+
+from latim_jax.cli import check, info
+from latim_jax.cli.args import (
+    EXIT_CODES_HELP,
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    Parser,
+    RunFailed,
+    UsageError,
+    check_outputs,
+    load_model,
+    nonnegative_float,
+    nonnegative_int,
+    parse_ints,
+    positive_float,
+    positive_int,
+)
+from latim_jax.cli.dataset import add_dataset_parser
+from latim_jax.cli.evaluate import add_evaluate_parser
+from latim_jax.convert import CheckpointError, read_checkpoint, save_checkpoint
+from latim_jax.convert.orbax_io import check_destination
+from latim_jax.io import plotting, progress
+from latim_jax.io.atomic import write_bytes_atomic
+from latim_jax.io.loading import resolve
+from latim_jax.latim import attribution
+from latim_jax.latim.hidden_attention import AGGREGATIONS
+from latim_jax.latim.kinds import MODES
+from latim_jax.latim.scores import METHODS, PRECISIONS
+from latim_jax.model import generate as generation
+from latim_jax.tasks import registry, vocab
+
+__all__ = [
+    "EXIT_FAILED",
+    "EXIT_OK",
+    "EXIT_USAGE",
+    "RunFailed",
+    "UsageError",
+    "build_parser",
+    "load_model",
+    "main",
+]
+
+DTYPES = ("float32", "bfloat16", "float16")  # parameter dtypes `convert` casts to
+CHECK_TOLERANCE = 1e-4
+
+
+def tokenize(model, text: str) -> tuple[list[int], list[str]]:
+    """Token ids and labels for ``text``: the checkpoint's tokenizer.json, or its task's words."""
+    try:
+        return vocab.encode(model, text)
+    except ValueError as err:
+        raise UsageError(str(err)) from err
+
+
+def token_labels(model, ids) -> list[str]:
+    """A readable label per id: the tokenizer's (or the task's) word, else the id."""
+    return vocab.labels(model, ids)
+
+
+def default_prompt(model, seed: int = 0) -> list[int]:
+    """A prompt of the model's task for shipped models. copy: 10 content tokens, SEP, then the copy;
+    mqar: one MQAR sequence (key-value pairs, then queries with their answers) drawn with ``seed``."""
+    task = model.task
+    if not task or task.get("name") not in ("copy", "mqar"):
+        raise UsageError("this model has no task to draw a default prompt from; pass --tokens or --text")
+    rng = np.random.default_rng(seed)
+    if task["name"] == "mqar":
+        batch = registry.make_batch(registry.task_fields(task), 1, rng)
+        return [int(t) for t in batch.tokens[0, : batch.lengths[0]]]
+    n = int(min(task["max_len"], max(task["min_len"], 10)))
+    content = [t for t in range(task["vocab_size"]) if t != task["sep_id"]]
+    seq = list(rng.choice(content, size=n))
+    return [int(t) for t in seq + [task["sep_id"]] + seq]
+
+
+def _prompt(model, args, default=None) -> tuple[list[int], list[str]]:
+    """The prompt of --text / --tokens (else ``default(model)``) with its labels; never empty."""
+    if args.text is not None:
+        ids, labels = tokenize(model, args.text)
+    elif args.tokens is not None:
+        ids = parse_ints(args.tokens, "--tokens")
+        labels = token_labels(model, ids)
+    else:
+        ids = default(model)
+        labels = token_labels(model, ids)
+    if not ids:
+        raise UsageError("the prompt is empty: give at least one token with --tokens or --text")
+    return ids, labels
+
+
+def _api_call(fn, *args, **kwargs):
+    """Call the library; its ValueError (bad ids, rows, layers ...) is a UsageError, its
+    FloatingPointError (non-finite results) a failed run."""
+    try:
+        return fn(*args, **kwargs)
+    except FloatingPointError as err:
+        raise RunFailed(str(err)) from err
+    except ValueError as err:
+        raise UsageError(str(err)) from err
+
+
+def cmd_convert(args):
+    """`latim-jax convert`: read any supported checkpoint, write latim-jax's orbax format."""
+    try:
+        path = resolve(args.source)
+        check_destination(Path(args.dest), args.overwrite, source=path)  # before reading any weights
+        config, params = read_checkpoint(path, dtype=args.dtype)
+        dest = save_checkpoint(
+            args.dest, config, params, tokenizer_dir=path, overwrite=args.overwrite, source=path
+        )
+    except (ValueError, FileExistsError) as err:
+        raise UsageError(str(err)) from err
+    print(f"wrote {dest} (Mamba-{config.version}, {config.n_layers} layers, d_model {config.d_model})")
+
+
+def cmd_check(args):
+    """`latim-jax check`: compare logits and hidden states with transformers; PASS or FAIL."""
+    check_outputs({"--json": args.json}, args.force)
+    try:
+        resolve(args.model)
+    except ValueError as err:
+        raise UsageError(str(err)) from err
+    try:
+        report = check.check_model(args.model, length=args.length, batch=args.batch, seed=args.seed)
+    except ImportError as err:
+        hint = "pip install 'latim-jax[torch]'"
+        raise UsageError(f"check needs torch and transformers ({hint}): {err}") from err
+    report.update(check.verdict(report, args.tolerance))
+    print(
+        f"reference: transformers ({report['reference']}), "
+        f"{report['batch']} x {report['length']} random tokens"
+    )
+    print(
+        f"logits: max abs error {report['max_logit_error']:.3e} "
+        f"(relative {report['max_logit_error_relative']:.3e}),"
+        f" mean abs error {report['mean_logit_error']:.3e}"
+    )
+    for i, e in enumerate(report["hidden_error_relative"]):
+        print(f"layer {i:3d}: hidden-state relative error {e:.3e}")
+    if args.json:
+        write_bytes_atomic(args.json, json.dumps(report, indent=2).encode())
+    print(report["summary"])
+    if not report["passed"]:
+        raise RunFailed(f"check failed: {report['summary']}")
+
+
+def cmd_info(args):
+    """`latim-jax info`: config, task, sizes, layers and vocabulary of a model."""
+    model = load_model(args.model)
+    print(info.summary(model, resolve(args.model)))
+
+
+def cmd_attribute(args):
+    """`latim-jax attribute`: scores for one prompt, saved as .npz (+ a figure / HTML)."""
+    if args.text is not None and args.tokens is not None:
+        raise UsageError("pass either --text or --tokens, not both")
+    if args.aggregation is not None and args.method != "hidden_attention":
+        raise UsageError("--aggregation applies to --method hidden_attention only")
+    if args.plot is not None:
+        try:
+            plotting.figure_format(args.plot)
+        except ValueError as err:
+            raise UsageError(f"--plot: {err}") from err
+    check_outputs({"--out": args.out, "--plot": args.plot, "--html": args.html}, args.force)
+    layers = parse_ints(args.layers, "--layers") if args.layers else None
+    rows = parse_ints(args.rows, "--rows") if args.rows else None
+    plot_layers = parse_ints(args.plot_layers, "--plot-layers") if args.plot_layers else None
+    model = load_model(args.model)
+    n = model.config.n_layers
+    computed = sorted({k % n for k in layers if -n <= k < n}) if layers else list(range(n))
+    if plot_layers is not None and any(not -n <= k < n or k % n not in computed for k in plot_layers):
+        raise UsageError(f"--plot-layers {plot_layers} must be among the scored layers {computed}")
+    ids, labels = _prompt(model, args, default=lambda m: default_prompt(m, args.seed))
+    extra = {} if args.aggregation is None else {"aggregation": args.aggregation}
+    try:
+        result = _api_call(
+            attribution.attribute,
+            model,
+            np.asarray([ids]),
+            method=args.method,
+            mode=args.mode,
+            layers=layers,
+            rows=rows,
+            precision=args.precision,
+            **extra,
+        )
+    except TypeError as err:
+        if extra and "aggregation" in str(err):
+            raise UsageError("--aggregation needs a latim-jax whose attribute() takes aggregation=") from err
+        raise
+    result.save(args.out)
+    print(f"wrote {args.out}: {args.method} scores ({args.mode} mode), shape {tuple(result.scores.shape)}")
+    _pictures(args, model, result, labels, plot_layers)
+    if "approximation_error" in result.extra:
+        err = ", ".join(f"{e:.3f}" for e in np.asarray(result.extra["approximation_error"])[0])
+        print(f"paper-mode approximation error per layer: {err}")
+
+
+def _pictures(args, model, result, labels, plot_layers):
+    """The --plot figure and the --html page of an attribute result."""
+    scores = np.asarray(result.scores[0])
+    n = model.config.n_layers
+    picked = list(range(len(result.layers)))
+    if plot_layers is not None:  # checked against the scored layers before the computation
+        picked = [result.layers.index(k % n) for k in plot_layers]
+    names = [f"layer {result.layers[k]}" for k in picked]
+    rows = list(result.rows) if result.rows is not None else list(range(len(labels)))
+    row_labels = [labels[r] for r in rows]
+    title = f"{model.source}: {args.method} ({args.mode})"
+    if args.plot:
+        plotting.heatmap_grid(
+            scores[picked],
+            labels,
+            args.plot,
+            row_labels=row_labels,
+            rows=rows,
+            title=title,
+            layer_names=names,
+        )
+        print(f"wrote {args.plot}")
+    if args.html:
+        plotting.html_view(
+            scores[picked], labels, args.html, title=title, layer_names=names, row_labels=row_labels
+        )
+        print(f"wrote {args.html}")
+
+
+def generation_prompt(model) -> list[int]:
+    """The default prompt of ``generate`` for a task model: a copy prompt up to and including its
+    separator (the model should then copy), or MQAR pairs and the first query key."""
+    ids = default_prompt(model)
+    task = model.task
+    if task["name"] == "copy":
+        return ids[: ids.index(task["sep_id"]) + 1]
+    seen = set()
+    for i, t in enumerate(ids):
+        if i % 2 == 0 and t in seen:  # the first query key
+            return ids[: i + 1]
+        seen.add(t)
+    return ids
+
+
+def cmd_generate(args):
+    """`latim-jax generate`: print a greedy or sampled continuation (ids, or words with --words)."""
+    if args.text is not None and args.tokens is not None:
+        raise UsageError("pass either --text or --tokens, not both")
+    model = load_model(args.model)
+    ids, _ = _prompt(model, args, default=generation_prompt)
+    out = _api_call(
+        generation.generate,
+        model,
+        np.asarray([ids]),
+        args.max_new_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+    )
+    out = [int(t) for t in np.asarray(out[0])]
+    print(" ".join(token_labels(model, out)) if args.words else " ".join(str(t) for t in out))
+
+
+def _common():
+    """Options every subcommand takes."""
+    c = Parser(add_help=False)
+    c.add_argument("--quiet", action="store_true", help="no progress bars")
+    return c
+
+
+def build_parser() -> Parser:
+    """The argument parser of ``latim-jax``."""
+    p = Parser(prog="latim-jax", description=__doc__, epilog=EXIT_CODES_HELP)
+    p.formatter_class = RawDescriptionHelpFormatter
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    common = [_common()]
+    model_help = "shipped name (copy-mamba1, copy-mamba2, mqar-mamba1, mqar-mamba2), directory or hub id"
+
+    c = sub.add_parser("convert", parents=common, help="convert a checkpoint into latim-jax's orbax format")
+    c.add_argument(
+        "source", help="local directory (HF, mamba_ssm, Codestral, latim-jax), shipped name or hub id"
+    )
+    c.add_argument("dest", help="output directory (must not exist or be empty, unless --overwrite)")
+    c.add_argument("--dtype", default=None, choices=DTYPES, help="cast the parameters (default: as stored)")
+    c.add_argument(
+        "--overwrite", action="store_true", help="replace an existing latim-jax checkpoint at DEST"
+    )
+    c.set_defaults(func=cmd_convert)
+
+    k = sub.add_parser("check", parents=common, help="compare against transformers (needs torch)")
+    k.add_argument("--model", required=True, help=model_help)
+    k.add_argument("--length", type=positive_int, default=16, help="tokens per sequence (default 16)")
+    k.add_argument("--batch", type=positive_int, default=1, help="random sequences (default 1)")
+    k.add_argument("--seed", type=nonnegative_int, default=0)
+    k.add_argument(
+        "--tolerance",
+        type=positive_float,
+        default=CHECK_TOLERANCE,
+        help=f"PASS when logits' and each layer's relative error is <= this (default {CHECK_TOLERANCE:g})",
+    )
+    k.add_argument("--json", default=None, help="also write the report as JSON")
+    k.add_argument("--force", action="store_true", help="replace an existing --json file")
+    k.set_defaults(func=cmd_check)
+
+    i = sub.add_parser("info", parents=common, help="config, task, sizes, layers and vocabulary of a model")
+    i.add_argument("model", nargs="?", default=None, help=model_help + " (default copy-mamba2)")
+    i.set_defaults(func=cmd_info)
+
+    a = sub.add_parser("attribute", parents=common, help="token-to-token scores for one prompt")
+    a.add_argument("--model", default=None, help=model_help + " (default copy-mamba2)")
+    a.add_argument("--text", default=None, help="prompt text, split by the model's tokenizer (see `info`)")
+    a.add_argument("--tokens", default=None, help="token ids, e.g. '3 5 7' (default: a prompt of the task)")
+    a.add_argument("--method", default="l2", choices=METHODS, help="score (default l2)")
+    a.add_argument("--mode", default="exact", choices=MODES, help="decomposition mode (default exact)")
+    a.add_argument(
+        "--aggregation",
+        default=None,
+        choices=AGGREGATIONS,
+        help="hidden_attention: how channels are reduced (default: the library's, minmax)",
+    )
+    a.add_argument(
+        "--precision",
+        default="float32",
+        choices=PRECISIONS,
+        help="the score path's projection: bfloat16 = bf16 operands, fp32 accumulation (default float32)",
+    )
+    a.add_argument("--layers", default=None, help="layers to score, e.g. '0 3' (default all)")
+    a.add_argument("--rows", default=None, help="target positions to score, e.g. '-1' (default all)")
+    a.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the default prompt")
+    a.add_argument("--out", default="attribution.npz", help="scores file (.npz, default attribution.npz)")
+    a.add_argument(
+        "--plot", default=None, help="heatmap grid; the extension picks the format (.png, .jpg, .svg, .pdf)"
+    )
+    a.add_argument("--plot-layers", default=None, help="layers drawn in --plot / --html (default all scored)")
+    a.add_argument("--html", default=None, help="standalone HTML view with a layer slider")
+    a.add_argument("--force", action="store_true", help="replace existing --out/--plot/--html files")
+    a.set_defaults(func=cmd_attribute)
+
+    g = sub.add_parser("generate", parents=common, help="greedy or sampled continuation")
+    g.add_argument("--model", default=None, help=model_help + " (default copy-mamba2)")
+    g.add_argument("--text", default=None, help="prompt text, split by the model's tokenizer")
+    g.add_argument("--tokens", default=None, help="prompt ids (default: a prompt of the model's task)")
+    g.add_argument("--max-new-tokens", type=nonnegative_int, default=16, help="tokens to add (default 16)")
+    g.add_argument(
+        "--temperature", type=nonnegative_float, default=0.0, help="0 = greedy (default); > 0 samples"
+    )
+    g.add_argument("--seed", type=nonnegative_int, default=0, help="sampling seed")
+    g.add_argument("--words", action="store_true", help="print words instead of ids")
+    g.set_defaults(func=cmd_generate)
+
+    add_evaluate_parser(sub, parents=common)
+
+    add_dataset_parser(sub, parents=common)
+    return p
+
+
+def _version() -> str:
+    try:
+        return version("latim-jax")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split()) or type(err).__name__
+
+
+def main(argv=None) -> int:
+    """Entry point of the ``latim-jax`` console script; returns the exit code (see ``EXIT_*``)."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as stop:  # argparse: --help, --version (0) or a bad argument (2)
+        return stop.code if isinstance(stop.code, int) else EXIT_USAGE
+
+    progress.set_quiet(args.quiet)
+    try:
+        args.func(args)
+    except RunFailed as err:
+        print(f"error: {_one_line(err)}", file=sys.stderr)
+        return EXIT_FAILED
+    except (UsageError, CheckpointError, OSError) as err:
+        print(f"error: {_one_line(err)}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        progress.set_quiet(False)
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

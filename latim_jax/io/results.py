@@ -1,0 +1,193 @@
+"""The Attribution result: scores, rollout across layers, and atomic save/load to one .npz file."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from latim_jax.io.atomic import write_npz_atomic
+from latim_jax.io.stream import read_parts
+from latim_jax.version import __version__
+
+FORMAT = "latim-jax-attribution/1"
+ROLLOUT_METHODS = ("alti", "hidden_attention", "logit")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Attribution:
+    """Scores of one attribution call.
+
+    scores: (B, n_layers, R, L) float32 (R = L, or the requested rows), exactly 0 above the diagonal
+    and on padding; tokens (B, L) (None when the call passed embeddings); mask (B, L) bool of valid
+    positions, or None when every position is real; aggregation: the hidden-attention aggregation
+    (None for other methods);
+    extra: method-specific arrays - "targets" (B, L) vocabulary entries for logit/grad_input;
+    for "logit": "direct" (B, R) embedding term, "bias" (B, n_layers, R) bias terms, "logit" (B, R) the
+    model's logit (all 0 on pad rows), "alti" (B, n_layers, L, L) for the rollout; for mode "paper":
+    "approximation_error" (B, n_layers) = per prompt, the mean over its real positions i of
+    ||o_i - beta_i - sum_j T_i(x_j)|| / ||o_i|| (beta_i = the out_proj bias).
+    top_k: when set, ``scores`` are (B, n_layers, R, top_k), the strongest sources of each target row in
+    decreasing order, and ``extra["sources"]`` (same shape, int32) their positions (-1 where a row has
+    fewer sources than top_k, with score 0).
+    precision: the score path's projection as computed, "float32" or "bfloat16" (bf16 operands, fp32
+    accumulation; see :func:`latim_jax.attribute`).
+    """
+
+    scores: jax.Array
+    tokens: jax.Array | None
+    extra: dict
+    method: str = dataclasses.field(metadata=dict(static=True))
+    mode: str = dataclasses.field(metadata=dict(static=True))
+    layers: tuple = dataclasses.field(metadata=dict(static=True))
+    rows: tuple | None = dataclasses.field(metadata=dict(static=True))
+    model: str = dataclasses.field(metadata=dict(static=True))
+    mask: jax.Array | None = None
+    aggregation: str | None = dataclasses.field(default=None, metadata=dict(static=True))
+    top_k: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+    precision: str = dataclasses.field(default="float32", metadata=dict(static=True))
+
+    def check_finite(self) -> None:
+        """Raise FloatingPointError naming the layers whose scores hold NaN/inf (concrete inputs only;
+        one boolean per layer crosses to the host, not the scores)."""
+        if isinstance(self.scores, jax.core.Tracer):
+            return
+        finite = np.asarray(jnp.isfinite(self.scores).all(axis=(0, 2, 3)))
+        if not finite.all():
+            layers = [self.layers[i] for i in np.flatnonzero(~finite)]
+            raise FloatingPointError(f"non-finite {self.method} scores at layer(s) {layers}")
+
+    def rollout(self, per_layer: bool = False):
+        """Aggregate across layers (needs all layers and all rows).
+
+        alti: R^1 = C^1, R^l = C^l R^{l-1} (row-stochastic). hidden_attention: the same product of
+        (A + I) / rowsum. logit: input attribution sum_l sum_j c^l_ij R^{l-1}_jk (R^0 = I) plus the
+        embedding term at k = i, so that rows sum to the logit minus the layers' bias terms
+        (``extra["bias"].sum(1)``). Returns (B, L, L), or (B, n_layers, L, L) with ``per_layer``.
+        """
+        if self.method not in ROLLOUT_METHODS:
+            raise ValueError(f"rollout is defined for {ROLLOUT_METHODS}, not {self.method!r}")
+        if self.top_k is not None:
+            raise ValueError("rollout needs whole score matrices, not top_k sources (call without top_k)")
+        if self.method == "hidden_attention" and self.aggregation == "signed":
+            raise ValueError(
+                "rollout needs non-negative maps: the 'signed' hidden-attention aggregation has negative "
+                "entries; use aggregation='minmax' (default) or 'abs'"
+            )
+        if self.rows is not None or self.layers != tuple(range(len(self.layers))):
+            raise ValueError(
+                "rollout needs every layer and every row (call attribute with layers=None, rows=None)"
+            )
+        L = self.scores.shape[-1]
+        eye = jnp.eye(L, dtype=jnp.float32)
+        if self.method == "logit":
+            if "alti" not in self.extra:
+                raise ValueError(
+                    "the logit rollout needs every layer's ALTI maps, which this result does not hold: "
+                    "call attribute(..., method='logit') without rollout_maps=False"
+                )
+            mats = self.extra["alti"]
+            R = jnp.broadcast_to(self._valid_eye(eye)[:, 0], mats[:, 0].shape)
+            total = self.extra["direct"][..., None] * eye
+            steps = []
+            for layer in range(mats.shape[1]):
+                total = total + jnp.einsum("bij,bjk->bik", self.scores[:, layer], R)
+                R = jnp.einsum("bij,bjk->bik", mats[:, layer], R)
+                steps.append(total)
+        else:
+            mats = self.scores
+            if self.method == "hidden_attention":
+                mats = mats + self._valid_eye(eye)
+                total = mats.sum(-1, keepdims=True)
+                mats = mats / jnp.where(total > 0, total, 1.0)
+            R = mats[:, 0]
+            steps = [R]
+            for layer in range(1, mats.shape[1]):
+                R = jnp.einsum("bij,bjk->bik", mats[:, layer], R)
+                steps.append(R)
+        return jnp.stack(steps, 1) if per_layer else steps[-1]
+
+    def _valid_eye(self, eye):
+        """I restricted to real positions (B or 1, 1, L, L): padding stays exactly 0 in rollouts."""
+        if self.mask is None:
+            return eye[None, None]
+        return (eye * self.mask[:, None, :].astype(eye.dtype))[:, None]
+
+    def meta(self) -> dict:
+        """The JSON-safe metadata written beside the arrays."""
+        return {
+            "format": FORMAT,
+            "method": self.method,
+            "mode": self.mode,
+            "layers": list(self.layers),
+            "rows": None if self.rows is None else list(self.rows),
+            "model": self.model,
+            "library_version": __version__,
+            "extra_keys": sorted(self.extra),
+            "aggregation": self.aggregation,
+            "top_k": self.top_k,
+            "precision": self.precision,
+            "has_tokens": self.tokens is not None,
+            "has_mask": self.mask is not None,
+        }
+
+    def arrays(self) -> dict:
+        """Tokens, mask and extras as named host arrays (everything but the scores)."""
+        out = {}
+        if self.tokens is not None:
+            out["tokens"] = np.asarray(self.tokens)
+        if self.mask is not None:
+            out["mask"] = np.asarray(self.mask)
+        out.update({f"extra__{k}": np.asarray(v) for k, v in self.extra.items()})
+        return out
+
+    def save(self, path) -> None:
+        """Write one self-describing .npz (arrays + JSON metadata) atomically."""
+        arrays = {"scores": np.asarray(self.scores), **self.arrays()}
+        arrays["meta"] = np.frombuffer(json.dumps(self.meta()).encode(), dtype=np.uint8)
+        write_npz_atomic(path, arrays)
+
+    @classmethod
+    def load(cls, path) -> Attribution:
+        """Read a file written by :meth:`save` (or a directory written by ``attribute(stream_to=...)``)."""
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            return cls.from_directory(path)
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                meta = json.loads(bytes(z["meta"]).decode())
+                if meta.get("format") != FORMAT:
+                    raise KeyError(f"format {meta.get('format')!r}")
+                arrays = {k: z[k] for k in z.files if k not in ("meta", "scores")}
+                return cls.from_parts(meta, jnp.asarray(z["scores"]), arrays)
+        except (KeyError, OSError, EOFError, ValueError, json.JSONDecodeError) as err:
+            raise ValueError(f"{path}: cannot read a latim-jax attribution file ({err})") from err
+
+    @classmethod
+    def from_directory(cls, path) -> Attribution:
+        """Read a directory written by ``attribute(stream_to=...)``: its scores are a read-only memmap."""
+        meta, scores, arrays = read_parts(path)
+        return cls.from_parts(meta, scores, arrays)
+
+    @classmethod
+    def from_parts(cls, meta: dict, scores, arrays: dict) -> Attribution:
+        """Rebuild from :meth:`meta`, the scores and :meth:`arrays` (tokens, mask, ``extra__*``)."""
+        return cls(
+            scores=scores,
+            tokens=jnp.asarray(arrays["tokens"]) if "tokens" in arrays else None,
+            mask=jnp.asarray(arrays["mask"]) if "mask" in arrays else None,
+            extra={k: jnp.asarray(arrays[f"extra__{k}"]) for k in meta["extra_keys"]},
+            method=meta["method"],
+            mode=meta["mode"],
+            layers=tuple(meta["layers"]),
+            rows=None if meta["rows"] is None else tuple(meta["rows"]),
+            model=meta["model"],
+            aggregation=meta.get("aggregation"),
+            top_k=meta.get("top_k"),
+            precision=meta.get("precision", "float32"),  # files written before the field: fp32
+        )

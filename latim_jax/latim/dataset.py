@@ -1,0 +1,397 @@
+"""Attribution over a dataset of prompts: read, batch by length, write shards incrementally, resume.
+
+Input: a .jsonl file, one object per line, ``{"id": ..., "text": "..."}`` (needs the model's
+tokenizer) or ``{"id": ..., "tokens": [ints]}``; or any other file read as plain text, one prompt per
+line, whose id is its line number (1-based). A bad line (not JSON, empty, no or both of text/tokens,
+a repeated id, too long, ids outside the vocabulary) is reported with its line number and skipped
+(``on_bad_line="skip"``) or ends the run (``"fail"``) before anything is computed.
+
+Output directory:
+    run.json                  the run's settings (model, method, mode, layers, rows, ...), written first;
+                              a rerun with other settings into the same directory is refused
+    shard-P-NNNNNN.npz        one batch of prompts, written atomically (never a half file), holding per
+                              prompt its scores (n_layers, R, L_i) at its own length L_i, its tokens and
+                              the extras; its JSON index lists the ids it holds
+A rerun of the same command after an interruption reads the ids already in complete shards and
+computes only the missing prompts, so every prompt ends up exactly once. Under several jax processes
+(``jax.distributed``) process P takes every P-th prompt (by input order) and writes shard-P-*.
+
+Batches: prompts sorted by length, ``batch_size`` per batch, each padded on the right (with a mask, so
+every prompt's scores equal the prompt alone) to its length rounded up to a bucket
+(:func:`latim_jax.model.inputs.bucket_length`), so a run compiles a handful of shapes, not one per length.
+
+Reading back: :func:`open_results` (a lazy mapping id -> :class:`~latim_jax.io.results.Attribution`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from latim_jax.io.atomic import write_bytes_atomic
+from latim_jax.io.progress import progress as progress_bar
+from latim_jax.io.results import Attribution
+from latim_jax.latim.attribution import attribute
+from latim_jax.latim.scores import PRECISIONS
+from latim_jax.model.inputs import bucket_length
+
+RUN_FILE = "run.json"
+FORMAT = "latim-jax-dataset/1"
+
+
+class DatasetError(ValueError):
+    """A problem with the input file or the output directory (message names the file and line)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    """One input prompt: its id (a string), token ids and 1-based line number."""
+
+    id: str
+    tokens: tuple[int, ...]
+    line: int
+
+
+def read_prompts(
+    path,
+    *,
+    vocab_size: int,
+    tokenize=None,
+    max_length: int | None = None,
+    on_bad_line: str = "fail",
+    warn=None,
+) -> list[Prompt]:
+    """Read prompts from ``path`` (see the module docstring). ``tokenize(text) -> list[int]`` turns
+    text into ids (None: text lines are an error naming the missing tokenizer). ``warn(message)`` is
+    called for each skipped line. Raises :class:`DatasetError` on the first bad line when
+    ``on_bad_line="fail"``."""
+    if on_bad_line not in ("skip", "fail"):
+        raise DatasetError(f"on_bad_line must be 'skip' or 'fail', found {on_bad_line!r}")
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError(f"{path}: no such input file")
+    jsonl = path.suffix == ".jsonl"
+    prompts, seen = [], set()
+    with path.open(encoding="utf-8") as fh:
+        for number, raw in enumerate(fh, start=1):
+            try:
+                prompt = _parse_line(raw, number, jsonl, tokenize, vocab_size, max_length)
+                if prompt.id in seen:
+                    raise DatasetError(f"repeated id {prompt.id!r}")
+                seen.add(prompt.id)
+                prompts.append(prompt)
+            except DatasetError as err:
+                message = f"{path}:{number}: {err}"
+                if on_bad_line == "fail":
+                    raise DatasetError(message + " (pass --on-bad-line skip to skip bad lines)") from None
+                if warn is not None:
+                    warn(f"skipped {message}")
+    if not prompts:
+        raise DatasetError(f"{path}: no prompt to attribute")
+    return prompts
+
+
+def _parse_line(raw: str, number: int, jsonl: bool, tokenize, vocab_size: int, max_length) -> Prompt:
+    text = raw.rstrip("\n")
+    if not text.strip():
+        raise DatasetError("empty line")
+    if jsonl:
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise DatasetError(f"not JSON ({err.msg})") from None
+        if not isinstance(record, dict) or "id" not in record:
+            raise DatasetError('expected an object with "id" and one of "text" / "tokens"')
+        if ("text" in record) == ("tokens" in record):
+            raise DatasetError('expected exactly one of "text" and "tokens"')
+        pid = record["id"]
+        if not isinstance(pid, str | int) or isinstance(pid, bool):
+            raise DatasetError(f"id must be a string or an int, found {pid!r}")
+        if "tokens" in record:
+            ids = record["tokens"]
+            if not isinstance(ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in ids
+            ):
+                raise DatasetError('"tokens" must be a list of ints')
+        else:
+            ids = _tokenize(record["text"], tokenize)
+        pid = str(pid)
+    else:
+        pid, ids = str(number), _tokenize(text, tokenize)
+    if not ids:
+        raise DatasetError("the prompt has no token")
+    if max_length is not None and len(ids) > max_length:
+        raise DatasetError(f"{len(ids)} tokens, more than the maximum length {max_length}")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise DatasetError(f"token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+    return Prompt(id=pid, tokens=tuple(int(t) for t in ids), line=number)
+
+
+def _tokenize(text, tokenize):
+    if not isinstance(text, str):
+        raise DatasetError(f'"text" must be a string, found {type(text).__name__}')
+    if tokenize is None:
+        raise DatasetError("text needs the model's tokenizer, and this model has none: give token ids")
+    return list(tokenize(text))
+
+
+def bucket(length: int) -> int:
+    """The padded length of a batch whose longest prompt has ``length`` tokens
+    (:func:`latim_jax.model.inputs.bucket_length`)."""
+
+    return bucket_length(length)
+
+
+def make_batches(prompts: list[Prompt], batch_size: int) -> list[list[Prompt]]:
+    """Prompts sorted by length (then input order), cut into batches of ``batch_size``."""
+    if batch_size < 1:
+        raise DatasetError(f"batch size must be a positive int, found {batch_size}")
+    ordered = sorted(prompts, key=lambda p: (len(p.tokens), p.line))
+    return [ordered[i : i + batch_size] for i in range(0, len(ordered), batch_size)]
+
+
+def run_settings(model, *, method, mode, layers, rows, aggregation, precision="float32") -> dict:
+    """The settings that define a run (compared on resume; ``precision`` only when not fp32, so runs
+    written before it existed resume as they were)."""
+    settings = {
+        "format": FORMAT,
+        "model": getattr(model, "source", "") or "",
+        "config": model.config.to_dict(),
+        "method": method,
+        "mode": mode,
+        "layers": None if layers is None else list(layers),
+        "rows": rows,
+        "aggregation": aggregation if method == "hidden_attention" else None,
+    }
+    if precision != "float32":
+        settings["precision"] = precision
+    return settings
+
+
+def prepare_output(out_dir, settings: dict) -> set[str]:
+    """Create ``out_dir`` (or reuse it for the same run) and return the ids already done.
+
+    Refuses a directory holding another run's results, or files it does not recognise. Leftover
+    temporary files of an interrupted write are removed."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise DatasetError(f"{out}: exists and is not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    run_file = out / RUN_FILE
+    if run_file.exists():
+        try:
+            previous = json.loads(run_file.read_text())
+        except (OSError, ValueError) as err:
+            raise DatasetError(f"{run_file}: unreadable ({err})") from err
+        if previous != settings:
+            diff = sorted(k for k in set(previous) | set(settings) if previous.get(k) != settings.get(k))
+            raise DatasetError(
+                f"{out} holds the results of a different run (differs in {diff}); use another --out"
+            )
+    else:
+        unknown = [p.name for p in out.iterdir() if not p.name.startswith(".tmp-")]
+        if unknown:
+            raise DatasetError(
+                f"{out} is not empty and holds no {RUN_FILE} ({unknown[:3]}); use another --out"
+            )
+        write_bytes_atomic(run_file, (json.dumps(settings, indent=2, sort_keys=True) + "\n").encode())
+    for leftover in out.glob(".tmp-*"):
+        leftover.unlink(missing_ok=True)
+    return {pid for shard in _shards(out) for pid in _shard_index(shard)["ids"]}
+
+
+def write_shard(out_dir, process: int, number: int, prompts: list[Prompt], result: Attribution) -> Path:
+    """Write one batch's results atomically: per prompt its own-length scores, tokens and extras."""
+    index = {
+        "ids": [],
+        "method": result.method,
+        "mode": result.mode,
+        "layers": list(result.layers),
+        "rows": result.rows,
+        "aggregation": result.aggregation,
+        "model": result.model,
+        "precision": result.precision,
+    }
+    arrays = {}
+    scores = np.asarray(result.scores)
+    extra = {k: np.asarray(v) for k, v in result.extra.items()}
+    for b, prompt in enumerate(prompts):
+        n = len(prompt.tokens)
+        key = f"p{b}"
+        index["ids"].append(prompt.id)
+        s = scores[b][..., :n]
+        arrays[f"{key}/scores"] = s if result.rows is not None else s[:, :n]
+        arrays[f"{key}/tokens"] = np.asarray(prompt.tokens, np.int32)
+        for name, value in extra.items():
+            arrays[f"{key}/extra/{name}"] = _trim_extra(name, value[b], n, result.rows is None)
+    arrays["index"] = np.frombuffer(json.dumps(index).encode(), np.uint8)
+    path = Path(out_dir) / f"shard-{process}-{number:06d}.npz"
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    write_bytes_atomic(path, buf.getvalue())
+    return path
+
+
+def _trim_extra(name: str, value: np.ndarray, n: int, all_rows: bool) -> np.ndarray:
+    """An extra of one prompt cut to its own length (the row axis only when every row was scored)."""
+    if name == "targets":
+        return value[:n]
+    if name == "approximation_error":
+        return value
+    if name == "alti":  # (n_layers, L, L)
+        return value[:, :n, :n]
+    if name == "bias":  # (n_layers, R)
+        return value[:, :n] if all_rows else value
+    return value[:n] if all_rows else value  # direct / logit (R,)
+
+
+def _shards(out: Path) -> list[Path]:
+    return sorted(out.glob("shard-*.npz"))
+
+
+def _shard_index(path: Path) -> dict:
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return json.loads(bytes(z["index"]).decode())
+    except (OSError, KeyError, ValueError) as err:
+        raise DatasetError(f"{path}: unreadable shard ({err}); remove it to recompute its prompts") from err
+
+
+class Results(Mapping):
+    """Results of a dataset run: a read-only mapping from prompt id to :class:`Attribution`, loaded
+    lazily from the shard that holds it (each Attribution is one prompt: B = 1, at its own length)."""
+
+    def __init__(self, out_dir):
+        self.path = Path(out_dir)
+        if not (self.path / RUN_FILE).is_file():
+            raise DatasetError(f"{self.path}: not a latim-jax dataset run (no {RUN_FILE})")
+        self.settings = json.loads((self.path / RUN_FILE).read_text())
+        self._where: dict[str, tuple[Path, int]] = {}
+        for shard in _shards(self.path):
+            for b, pid in enumerate(_shard_index(shard)["ids"]):
+                self._where[pid] = (shard, b)
+
+    def __getitem__(self, pid) -> Attribution:
+        shard, b = self._where[str(pid)]
+        with np.load(shard, allow_pickle=False) as z:
+            index = json.loads(bytes(z["index"]).decode())
+            key = f"p{b}"
+            extra = {
+                name.split("/", 2)[2]: jnp.asarray(z[name])[None]
+                for name in z.files
+                if name.startswith(f"{key}/extra/")
+            }
+            return Attribution(
+                scores=jnp.asarray(z[f"{key}/scores"])[None],
+                tokens=jnp.asarray(z[f"{key}/tokens"])[None],
+                extra=extra,
+                method=index["method"],
+                mode=index["mode"],
+                layers=tuple(index["layers"]),
+                rows=None if index["rows"] is None else tuple(index["rows"]),
+                model=index["model"],
+                aggregation=index["aggregation"],
+                precision=index.get("precision", "float32"),  # shards written before the field: fp32
+            )
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def open_results(out_dir) -> Results:
+    """The results of ``latim-jax attribute-dataset`` (or :func:`attribute_dataset`) in ``out_dir``:
+    a lazy mapping from prompt id (a string) to a one-prompt :class:`Attribution`."""
+    return Results(out_dir)
+
+
+def attribute_dataset(
+    model,
+    prompts: list[Prompt],
+    out_dir,
+    *,
+    method: str = "alti",
+    mode: str = "exact",
+    layers=None,
+    rows: str = "all",
+    batch_size: int = 8,
+    aggregation: str = "minmax",
+    impl: str = "auto",
+    precision: str = "float32",
+    progress: bool | None = None,
+) -> dict:
+    """Attribute every prompt into ``out_dir`` (see the module docstring), skipping the ids already
+    there. ``rows``: "all" or "last" (each prompt's own last token; stored with ``rows == (-1,)``).
+    ``precision``: as for :func:`latim_jax.attribute` (part of the run's settings).
+    ``progress``: a bar on stderr (None: when stderr is a terminal). Returns counts
+    {"total", "done_before", "computed", "shards"}."""
+    if rows not in ("all", "last"):
+        raise DatasetError(f"rows must be 'all' or 'last', found {rows!r}")
+    if precision not in PRECISIONS:  # before run.json is written
+        raise DatasetError(f"precision must be one of {PRECISIONS}, found {precision!r}")
+    settings = run_settings(model, method=method, mode=mode, layers=layers, rows=rows,
+                            aggregation=aggregation, precision=precision)  # fmt: skip
+    done = prepare_output(out_dir, settings)
+    mine = [p for k, p in enumerate(prompts) if k % jax.process_count() == jax.process_index()]
+    todo = [p for p in mine if p.id not in done]
+    batches = make_batches(todo, batch_size)
+    process = jax.process_index()
+    number = 1 + max((int(s.stem.rsplit("-", 1)[1]) for s in Path(out_dir).glob(f"shard-{process}-*.npz")),
+                     default=0)  # fmt: skip
+    computed = 0
+    options = dict(
+        method=method, mode=mode, layers=layers, aggregation=aggregation, impl=impl, precision=precision
+    )
+    for batch in progress_bar(batches, desc="attribute-dataset", unit="batch", enabled=progress):
+        length = bucket(max(len(p.tokens) for p in batch))
+        tokens = np.zeros((len(batch), length), np.int32)
+        mask = np.zeros((len(batch), length), bool)
+        for b, p in enumerate(batch):
+            tokens[b, : len(p.tokens)] = p.tokens
+            mask[b, : len(p.tokens)] = True
+        if rows == "last":
+            result = _last_rows(model, tokens, mask, batch, options)
+        else:
+            result = attribute(model, tokens, mask=mask, **options)
+        write_shard(out_dir, process, number, batch, result)
+        number += 1
+        computed += len(batch)
+    return {
+        "total": len(mine),
+        "done_before": len(mine) - len(todo),
+        "computed": computed,
+        "shards": number - 1,
+    }
+
+
+def _last_rows(model, tokens, mask, batch, options: dict) -> Attribution:
+    """Each prompt's own last row: one call per distinct last position in the batch (prompts of one
+    batch have nearly equal lengths), gathered into one Attribution with rows = (last,) per prompt.
+    ``options``: the keyword arguments of :func:`latim_jax.attribute` but rows and mask."""
+    last = np.asarray([len(p.tokens) - 1 for p in batch])
+    scores, extras, first = [None] * len(batch), [None] * len(batch), None
+    for position in sorted(set(last.tolist())):
+        which = np.flatnonzero(last == position)
+        res = attribute(model, tokens[which], rows=[position], mask=mask[which], **options)
+        first = first or res
+        for k, b in enumerate(which):
+            scores[b] = res.scores[k]
+            extras[b] = {name: value[k] for name, value in res.extra.items()}
+    return dataclasses.replace(
+        first,
+        scores=jnp.stack(scores),
+        tokens=jnp.asarray(tokens),
+        extra={name: jnp.stack([e[name] for e in extras]) for name in extras[0]},
+        rows=(-1,),
+        mask=None,
+    )

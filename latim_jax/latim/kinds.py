@@ -1,0 +1,66 @@
+"""The layer-kind seam: how each kind of residual sublayer writes its output as a sum over source tokens.
+
+Every block of a model names its kind (``block.kind``, from its mixer: "mamba1", "mamba2"). :data:`KINDS`
+maps a kind to the function that builds its factors,
+
+    factors(block, h, mask, ctx, mode, *, hold_fixed, with_total) -> factors of the layer
+
+for the residual stream h (b, l, d) entering it, ``mask`` (b, l) bool of valid positions, the execution
+context and the decomposition mode. The scores, the attribution loop and the conservation checks use
+only this interface of the factors:
+
+    kind                       the kind's name
+    length                     l
+    h, output, bias            (b, l, d): the stream entering the layer, the sublayer's output o, and
+                               beta, the part of o that belongs to no token
+    W_out                      (e, d): T_i(x_j) = V_{i,j} @ W_out
+    token_total                (b, l, d) sum_j T_i(x_j) in O(l) (when built with with_total), or None
+    pair_values(rows, j0, width, blocks, channels_first=False)
+                               V (b, r, width, e) for target rows ``rows`` and sources [j0, j0 + width)
+    channels_first             the layout pair_values is fastest in ((b, e, r, width) when True)
+    tiles(n_rows, blocks)      the kind's default tiles completed with the caller's ``blocks``
+
+and, where the kind has one, ``ssm`` (:class:`latim_jax.kernels.decay.SSM`): the hidden-attention
+inputs, which the hidden-attention baseline and the fused Pallas score kernel read.
+
+A new kind (an attention sublayer, a token-wise MLP, a parallel block) plugs in here: a mixer module in
+:mod:`latim_jax.model` whose ``kind`` names it, a module beside this one that builds its factors, and
+one entry in :data:`KINDS`. docs/architecture.md walks through it.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from latim_jax.kernels.block_sizes import Blocks
+from latim_jax.latim import mamba
+from latim_jax.model.inputs import check_mask
+from latim_jax.parallel.context import XLA, Context, resolve
+
+KINDS = {"mamba1": mamba.factors, "mamba2": mamba.factors}
+MODES = mamba.MODES
+check_mode = mamba.check_mode
+
+
+def factors(block, h, mask, ctx: Context = XLA, mode: str = "exact", *, hold_fixed=False, with_total=False):
+    """The factors of ``block`` (its kind's builder from :data:`KINDS`) for the stream h entering it."""
+    build = KINDS.get(block.kind)
+    if build is None:
+        raise ValueError(f"no decomposition for layer kind {block.kind!r}; known kinds: {sorted(KINDS)}")
+    return build(block, h, mask, ctx, mode, hold_fixed=hold_fixed, with_total=with_total)
+
+
+def layer_factors(model, h, layer: int, mode: str = "exact", *, mask=None, impl="auto"):
+    """The factors of ``model.layers[layer]`` for the residual stream h (b, l, d) entering it: a helper for
+    tests, benchmarks and exploration (``mask`` (b, l) bool or None for all valid; ``impl`` as
+    :func:`latim_jax.attribute` takes it); ``token_total`` included."""
+    return factors(
+        model.layers[layer], h, check_mask(mask, *h.shape[:2]), resolve(impl), mode, with_total=True
+    )
+
+
+def full_contributions(f, blocks: Blocks | None = None):
+    """T (b, l, l, d): T[:, i, j] = T_i(x_j), exactly zero for j > i (small inputs only)."""
+    idx = jnp.arange(f.length)
+    blocks = f.tiles(None, blocks)
+    return jnp.einsum("brje,ed->brjd", f.pair_values(idx, 0, f.length, blocks), f.W_out)

@@ -1,0 +1,193 @@
+"""What an attribution call will hold in memory, stated before it runs, and a clear refusal when it does
+not fit (naming the options that do).
+
+The estimate adds, in bytes (b prompts, l positions, R target rows, d width, e inner width, n state,
+c = e (Mamba-1) or heads (Mamba-2), K conv taps, g groups, v vocabulary):
+
+    parameters   the loaded model
+    streams      logit and grad_input (a forward pass first): the residual streams entering every
+                 layer, (layers + 1) b l d fp32, plus the head's logits for one chunk of positions at a
+                 time (targets and logits are gathered chunkwise); the other methods score each layer as
+                 one pass reaches it: two streams, 2 b l d fp32
+    layer        one layer at a time: its factors (K + 3) b l e + 3 b l c + 2 b l g n + 5 b l d fp32 and
+                 the in_proj output (b l (2 e + 2 g n + heads), Mamba-1 b l 2 e), the
+                 scan's working set (Mamba-1: chunk x e x n per prompt; Mamba-2: its chunked SSD) and the
+                 score path's block working set (rows x cols x (e + d); Mamba-1 also its decay
+                 factors, (rows + cols) x e x n), plus the layer's (b, R, l) fp32 score matrix
+                 before any reduction
+    output       what the result keeps: layers x b x R x l scores in the output dtype, or x top_k
+                 (values and int32 sources), nothing with streaming; the logit rollout's alti maps
+                 (layers x b x l x l fp32) when every row of every layer is asked
+
+It is an estimate of the arrays the library allocates (XLA adds a little on top); the benchmarks record
+it next to measured peaks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import numpy as np
+
+from latim_jax.latim.blocking import tiles
+
+GIB = 1024**3
+HEAD_CHUNK = 512  # positions per chunk when the head's logits are reduced to targets
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes each part of an attribution call holds (see the module docstring)."""
+
+    parameters: int
+    streams: int
+    layer: int
+    output: int
+
+    @property
+    def total(self) -> int:
+        """The estimated peak: every part at once."""
+        return self.parameters + self.streams + self.layer + self.output
+
+    def describe(self) -> str:
+        """One line: total and parts, in readable units."""
+        parts = ", ".join(
+            f"{k} {human(getattr(self, k))}" for k in ("parameters", "streams", "layer", "output")
+        )
+        return f"{human(self.total)} ({parts})"
+
+
+def human(n: int) -> str:
+    """Bytes in B / KiB / MiB / GiB."""
+    for unit, size in (("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+class InsufficientMemoryError(MemoryError):
+    """The estimated peak of a call exceeds the memory available; the message names options that fit."""
+
+
+def estimate(
+    model,
+    batch: int,
+    length: int,
+    *,
+    method: str = "alti",
+    rows: int | None = None,
+    layers: int | None = None,
+    top_k: int | None = None,
+    out_dtype="float32",
+    stream: bool = False,
+    blocks=None,
+) -> MemoryEstimate:
+    """Estimated bytes of ``attribute`` on ``batch`` prompts of ``length`` positions, scoring ``rows``
+    target rows (None: all) of ``layers`` layers (None: all)."""
+    c = model.config
+    b, L = int(batch), int(length)
+    R = L if rows is None else int(rows)
+    n_layers = c.n_layers if layers is None else int(layers)
+    e, d, n, K = c.d_inner, c.d_model, c.d_state, c.d_conv
+    chans = e if c.version == 1 else c.n_heads
+    groups = 1 if c.version == 1 else c.n_groups
+    f4 = 4
+    params = sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for x in _leaves(model))
+    if method in ("logit", "grad_input"):  # a forward first: every layer's input stream, and the head
+        streams = (c.n_layers + 1) * b * L * d * f4 + b * min(L, HEAD_CHUNK) * c.vocab_size * f4
+    else:  # one pass over the layers: the stream entering the layer and the next one
+        streams = 2 * b * L * d * f4
+    in_width = 2 * e if c.version == 1 else 2 * e + 2 * groups * n + c.n_heads  # in_proj's output
+    factors = ((K + 3) * b * L * e + 3 * b * L * chans + 2 * b * L * groups * n + 5 * b * L * d) * f4
+    factors += b * L * in_width * f4
+    if c.version == 1:
+        scan = 3 * b * min(L, 256) * e * n * f4
+    else:
+        q = min(c.chunk_size, L)
+        scan = b * (L // max(q, 1) + 1) * (c.n_heads * c.head_dim * n + q * q * c.n_heads) * f4
+    blk = tiles(c.version, L, None, blocks)
+    if c.version == 1:  # per block: segment sums, exponentials, M, values (r q e); P, Q ((r + q) e n)
+        work = b * (blk.rows * blk.cols * (4 * e + d) + (blk.rows + blk.cols) * e * n) * f4
+    else:
+        work = b * blk.rows * blk.cols * (2 * e + d + chans) * f4
+    layer_scores = b * R * L * f4
+    itemsize = np.dtype(out_dtype).itemsize if out_dtype != "bfloat16" else 2
+    if stream:
+        output = 0
+    elif top_k is not None:
+        output = n_layers * b * R * int(top_k) * (itemsize + 4)
+    else:
+        output = n_layers * b * R * L * itemsize
+    if method == "logit" and rows is None and layers is None and not stream:
+        output += c.n_layers * b * L * L * f4
+    return MemoryEstimate(
+        parameters=params, streams=streams, layer=factors + scan + work + layer_scores, output=output
+    )
+
+
+def _leaves(model):
+    return jax.tree.leaves(model.params())
+
+
+# memory_limit="auto" keeps this share of the free memory for what the estimate misses (measured on a
+# 24-layer 130m-shaped Mamba-2, last row: 0.78 / 1.01 / 0.95 x the peak above the model at L = 1k / 4k
+# / 16k, the 1k peak itself varying 0.15-0.22 GiB between runs; benchmarks/results/scale_out.json)
+AUTO_MARGIN = 1.2
+
+
+def available() -> int:
+    """Bytes this call can use: free device memory on an accelerator (``memory_stats``), else the
+    host's MemAvailable (Linux) or, failing that, total RAM."""
+    device = jax.local_devices()[0]
+    if device.platform != "cpu":
+        stats = getattr(device, "memory_stats", lambda: None)() or {}
+        if "bytes_limit" in stats:
+            return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_fits(model, batch: int, length: int, *, limit: int, **call) -> MemoryEstimate:
+    """The estimate of the call, or :class:`InsufficientMemoryError` when it exceeds ``limit`` bytes,
+    naming each alternative that fits: the last row only, fewer layers, top_k, bfloat16 output,
+    streaming to disk, a smaller batch."""
+    est = estimate(model, batch, length, **call)
+    if est.total <= limit:
+        return est
+    options = []
+    if call.get("rows") != 1 and estimate(model, batch, length, **{**call, "rows": 1}).total <= limit:
+        options.append("rows=[-1] (only the last target; a row subset costs O(rows x L))")
+    n = model.config.n_layers if call.get("layers") is None else call["layers"]
+    fit = [
+        k
+        for k in range(n - 1, 0, -1)
+        if estimate(model, batch, length, **{**call, "layers": k}).total <= limit
+    ]
+    if fit:
+        options.append(f"layers=<at most {fit[0]} layers> (one call per group of layers)")
+    k = min(32, length)
+    if estimate(model, batch, length, **{**call, "top_k": k, "stream": False}).total <= limit:
+        options.append(f"top_k={k} (keep the {k} strongest sources per target)")
+    if estimate(model, batch, length, **{**call, "out_dtype": "bfloat16"}).total <= limit:
+        options.append("out_dtype='bfloat16' (half the output)")
+    if estimate(model, batch, length, **{**call, "stream": True}).total <= limit:
+        options.append("stream_to=DIR (write each layer's scores to disk as it is computed)")
+    if batch > 1 and estimate(model, 1, length, **call).total <= limit:
+        options.append("a smaller batch (one prompt fits)")
+    hint = (
+        "; ".join(options)
+        if options
+        else "none of rows=[-1], fewer layers, top_k, bf16 output or streaming fits"
+    )
+    raise InsufficientMemoryError(
+        f"attribution of {batch} x {length} tokens needs about {est.describe()}, more than the "
+        f"{human(limit)} available. Options that fit: {hint}. (memory_limit=None skips this check.)"
+    )

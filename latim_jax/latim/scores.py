@@ -1,0 +1,215 @@
+"""Per-layer token-to-token scores, evaluated in tiles so the (l, l, d) tensor never exists.
+
+Row i = target position, column j = source. With T_{ij} = T_i(x_j) (the layer kind's factors,
+:mod:`latim_jax.latim.kinds`), the residual h_i entering the layer and hout_i = h_i + o_i
+(docs/method.md, section 5):
+
+    l2     c_ij = ||T_ij||_2                 l1  c_ij = ||T_ij||_1
+    alti   c_ij = max(0, ||hout_i||_1 - ||hout_i - T'_ij||_1), T'_ij = T_ij + [i=j] h_i, rows sum to 1
+           (a row with no positive entry, possible when the bias terms dominate, puts 1 on j = i, so
+           every row is a distribution and rollouts stay row-stochastic)
+    logit  c_ij = E_w . (g_f * T_ij) / r_i   (w = the target vocabulary entry of row i)
+    hidden_attention  see :mod:`latim_jax.latim.hidden_attention`
+
+Every score is exactly 0 above the diagonal (j > i) and on the rows and columns of padding
+(:func:`finish_scores` masks explicitly, before and after alti's normalisation).
+
+Where a layer's scores run is decided by the execution context (:class:`latim_jax.parallel.context.
+Context`), in :func:`layer_scores` alone: split over a mesh (:func:`_split_layer_scores`), the fused
+Pallas kernel (``ctx.kernels``, l2 / l1 / alti / logit of the Mamba kinds), or the tiled XLA path
+(:func:`blocked_scores`, which is also the kernel's reference and backward).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from latim_jax.kernels import f32, fused_scores
+from latim_jax.kernels.block_sizes import Blocks
+from latim_jax.kernels.fused_scores_tiles import alti_gain_signed
+from latim_jax.latim.blocking import blocked, row_tiles
+from latim_jax.latim.hidden_attention import AGGREGATIONS, DEFAULT_AGGREGATION, hidden_attention_scores
+from latim_jax.parallel.context import XLA, Context
+from latim_jax.parallel.mesh import DATA, MODEL, P
+
+LATIM_METHODS = ("l2", "l1", "alti", "logit")
+METHODS = LATIM_METHODS + ("hidden_attention", "grad_input")
+PRECISIONS = fused_scores.PRECISIONS
+__all__ = ["AGGREGATIONS", "DEFAULT_AGGREGATION", "LATIM_METHODS", "METHODS", "PRECISIONS"]
+
+
+def safe_norm(x, axis):
+    """||x||_2 with a finite gradient at 0."""
+    sq = jnp.sum(x * x, axis=axis)
+    zero = sq == 0  # NaN is not zero: it propagates, so non-finite inputs are reported
+    return jnp.where(zero, 0.0, jnp.sqrt(jnp.where(zero, 1.0, sq)))
+
+
+def project(V, W_out, precision: str = "float32", channels_first: bool = False):
+    """T = V @ W_out over e: (b, r, q, e) x (e, d) -> (b, r, q, d), the score path's dominant matrix
+    product; "bfloat16" rounds both operands to bf16 and accumulates in fp32 (matrix units).
+    ``channels_first``: V is (b, e, r, q)."""
+    if precision == "bfloat16":
+        V, W_out = V.astype(jnp.bfloat16), W_out.astype(jnp.bfloat16)
+    spec = "berj,ed->brjd" if channels_first else "brje,ed->brjd"
+    return jnp.einsum(spec, V, W_out, preferred_element_type=f32)
+
+
+def pair_score(f, method: str, rows, j0, blocks: Blocks, aux=None, precision: str = "float32"):
+    """Scores of pairs (i in rows, j in [j0, j0 + blocks.cols)): (b, r, cols), unnormalised;
+    "logit+alti": both, (b, r, cols, 2), from the same pair values."""
+    cf = f.channels_first  # the kind's own layout of V (Mamba-1: channels first, ~4% faster per layer)
+    V = f.pair_values(rows, j0, blocks.cols, blocks, channels_first=cf)  # (b, r, q, e) or (b, e, r, q)
+    lg = "berj,bre->brj" if cf else "brje,bre->brj"
+    if method == "logit":
+        return jnp.einsum(lg, V, aux[:, rows])
+    if method == "logit+alti":
+        logit = jnp.einsum(lg, V, aux[:, rows])
+        return jnp.stack([logit, _alti_raw(f, project(V, f.W_out, precision, cf), rows, j0)], -1)
+    T = project(V, f.W_out, precision, cf)
+    if method == "l2":
+        return safe_norm(T, -1)
+    if method == "l1":
+        return jnp.sum(jnp.abs(T), axis=-1)
+    if method == "alti":
+        return _alti_raw(f, T, rows, j0)
+    raise ValueError(f"unknown LaTIM score {method!r}; expected one of {LATIM_METHODS}")
+
+
+def _alti_raw(f, T, rows, j0):
+    """max(0, ||hout_i||_1 - ||hout_i - T'_ij||_1) for T (b, r, q, d), before normalisation."""
+    hout = (f.h + f.output)[:, rows]  # (b, r, d); the bias terms are part of o
+    sign, two_abs = jnp.where(hout >= 0, 1.0, -1.0), 2.0 * jnp.abs(hout)  # per row, not per pair
+    diag = (rows[:, None] == (j0 + jnp.arange(T.shape[2]))[None, :]).astype(f32)  # (r, q)
+    Tp = T + diag[None, :, :, None] * f.h[:, rows][:, :, None]
+    gain = alti_gain_signed(sign[:, :, None], two_abs[:, :, None], Tp)
+    return jnp.maximum(0.0, jnp.sum(gain, -1))
+
+
+def blocked_scores(f, method: str, rows, aux=None, *, blocks: Blocks | None = None, precision="float32"):
+    """The tiled XLA path: unnormalised scores (b, len(rows), l) (alti before its row normalisation;
+    "logit+alti": (b, r, l, 2)). The fused kernel's reference: its tests compare the two, and its
+    backward is this function's VJP."""
+    rows = jnp.asarray(rows, jnp.int32)
+    blocks = f.tiles(rows.shape[0], blocks)
+    return blocked(
+        lambda rb, j0: pair_score(f, method, rb, j0, blocks, aux, precision), rows, f.length, blocks
+    )
+
+
+def _kernel_reference(f, method, rows, aux):
+    return blocked_scores(f, method, rows, aux)
+
+
+def layer_scores(
+    f,
+    method: str,
+    rows,
+    *,
+    mask,
+    ctx: Context = XLA,
+    blocks: Blocks | None = None,
+    aux=None,
+    aggregation: str = DEFAULT_AGGREGATION,
+    precision: str = "float32",
+):
+    """Scores (b, len(rows), l) of one layer, finished by :func:`finish_scores` (causal, padding
+    masked, alti rows normalised to sum 1); "logit+alti": the pair (logit, alti), from one pass over
+    the tiles on the XLA path (the logit rollout needs both). ``mask`` (b, l) bool of valid positions;
+    ``aggregation``: hidden attention only; ``precision``: the projection onto W_out in fp32 or bf16
+    with fp32 accumulation (:func:`project`; the fused kernel: DEFAULT matmul precision).
+    """
+    if ctx.split:
+        return _split_layer_scores(f, method, rows, mask, blocks, aux, ctx, aggregation, precision)
+    if method == "hidden_attention":
+        blocks = f.tiles(rows.shape[0], blocks)
+        return finish_scores(
+            hidden_attention_scores(f.ssm, rows, mask, blocks, aggregation), method, rows, mask
+        )
+    if ctx.kernels and method == "logit+alti":
+        common = dict(mask=mask, ctx=ctx, blocks=blocks, precision=precision)
+        return layer_scores(f, "logit", rows, aux=aux, **common), layer_scores(f, "alti", rows, **common)
+    if ctx.kernels:
+        s = fused_scores.fused_layer_scores(
+            f, method, rows, aux=aux, block_sizes=blocks, precision=precision, reference=_kernel_reference
+        )
+    else:
+        s = blocked_scores(f, method, rows, aux, blocks=blocks, precision=precision)
+    if method == "logit+alti":
+        return finish_scores(s[..., 0], "logit", rows, mask), finish_scores(s[..., 1], "alti", rows, mask)
+    return finish_scores(s, method, rows, mask)
+
+
+def _split_layer_scores(f, method, rows, mask, blocks, aux, ctx: Context, aggregation, precision):
+    """:func:`layer_scores` inside ``jax.shard_map``: prompts over "data", target rows over "model"
+    (rows padded to a multiple of the axis by repeating the last one). Each device holds the whole
+    layer's factors for its prompts: rows are independent given them."""
+    b, r = f.G.shape[0], rows.shape[0]
+    m = ctx.axis_size(MODEL)
+    data = ctx.axis(DATA) if b % ctx.axis_size(DATA) == 0 else None
+    rows_p = row_tiles(rows, m).reshape(-1)
+    batch = P(data)
+    specs = jax.tree.map(lambda _: batch, f)  # every per-prompt array split over "data"
+    specs = dataclasses.replace(
+        specs, a=P(None, data), W_out=P(), ssm=dataclasses.replace(specs.ssm, A=P(), D=P())
+    )
+
+    def scores(f, rows, aux, mask):
+        return layer_scores(
+            f, method, rows, mask=mask, ctx=ctx.local(), blocks=blocks, aux=aux, aggregation=aggregation,
+            precision=precision,
+        )  # fmt: skip
+
+    aux_spec = None if aux is None else batch
+    out_spec = P(data, ctx.axis(MODEL))
+    out = jax.shard_map(
+        scores, mesh=ctx.mesh, in_specs=(specs, P(ctx.axis(MODEL)), aux_spec, batch),
+        out_specs=(out_spec, out_spec) if method == "logit+alti" else out_spec, check_vma=False,
+    )(f, rows_p, aux, mask)  # fmt: skip
+    return jax.tree.map(lambda s: s[:, :r], out)
+
+
+def kept_pairs(rows, length: int, mask):
+    """(b, r, l) bool: source j <= target i, both real positions (``mask`` (b, l) bool)."""
+    causal = (jnp.arange(length)[None, :] <= rows[:, None])[None]
+    return causal & mask[:, rows, None] & mask[:, None, :]
+
+
+def finish_scores(s, method: str, rows, mask):
+    """Zero every pair above the diagonal or touching padding, explicitly (float noise of two reductions
+    is not zero); alti rows are then normalised over their kept entries and masked again."""
+    keep = kept_pairs(rows, s.shape[-1], mask)
+    s = jnp.where(keep, s, 0.0)
+    if method == "alti":
+        s = jnp.where(keep, normalise_alti(s, rows), 0.0)
+    return s
+
+
+def normalise_alti(s, rows):
+    """Divide each row by its sum; a row with no positive entry becomes one-hot on j = i."""
+    total = jnp.sum(s, -1, keepdims=True)
+    self_hot = (jnp.arange(s.shape[-1])[None, :] == rows[:, None]).astype(s.dtype)
+    zero = total == 0
+    return jnp.where(zero, self_hot, s / jnp.where(zero, 1.0, total))
+
+
+def token_sum(f, rows, *, blocks: Blocks | None = None):
+    """sum_j T_i(x_j) for i in rows, accumulated tile by tile in the one block loop: (b, r, d)."""
+    blocks = f.tiles(None, blocks)
+    br = blocks.rows
+
+    def tile(rb, j0):
+        return None, f.pair_values(rb, j0, blocks.cols, blocks).sum(2)  # (b, br, e)
+
+    def add(acc, part, ri):
+        return jax.lax.dynamic_update_slice_in_dim(
+            acc, jax.lax.dynamic_slice_in_dim(acc, ri * br, br, 1) + part, ri * br, 1
+        )
+
+    n_rb = -(-rows.shape[0] // br)
+    init = jnp.zeros((f.G.shape[0], n_rb * br, f.W_out.shape[0]), f32)
+    _, V = blocked(tile, rows, f.length, blocks, init=init, combine=add)
+    return jnp.einsum("bre,ed->brd", V[:, : rows.shape[0]], f.W_out)

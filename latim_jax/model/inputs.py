@@ -1,0 +1,175 @@
+"""Validation of what users pass in: token ids, embeddings, padding masks, layer and row selections.
+
+Every check runs before any cast (a cast to int32 would silently wrap ids >= 2**31), names the
+problem, and is skipped for traced values where it needs concrete numbers (under ``jax.jit`` /
+``jax.vmap`` only shapes and dtypes are checked).
+
+Padding: a mask (b, l) marks the valid positions of each prompt. They must form one contiguous run
+per row (left padding, right padding, or both); a row with a hole or with no valid position is
+refused. See :mod:`latim_jax.model.mixers` for how padding is skipped (zero conv input and Delta).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def is_traced(x) -> bool:
+    """Whether ``x`` is an abstract value inside a jax transformation."""
+    return isinstance(x, jax.core.Tracer)
+
+
+def check_tokens(tokens, vocab_size: int) -> jax.Array:
+    """Token ids (b, l) -> int32 jax array, validated before the cast: 2-D, integer dtype, at least one
+    prompt and one position, and (when concrete) every id in [0, vocab_size)."""
+    if tokens is None:
+        raise ValueError("pass token ids (b, l) or inputs_embeds (b, l, d)")
+    if is_traced(tokens):
+        _check_token_shape(tokens.shape, tokens.dtype)
+        return tokens.astype(jnp.int32)
+    t = np.asarray(tokens)
+    if t.dtype == object:
+        raise ValueError(
+            "token ids must be integers that fit in 64 bits (found larger or non-integer values)"
+        )
+    _check_token_shape(t.shape, t.dtype)
+    lo, hi = int(t.min()), int(t.max())
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"token ids must lie in [0, {vocab_size}), found min {lo} max {hi}")
+    return jnp.asarray(t.astype(np.int32))
+
+
+def _check_token_shape(shape, dtype) -> None:
+    if len(shape) != 2:
+        raise ValueError(f"tokens must have shape (batch, length), found shape {tuple(shape)}")
+    if not np.issubdtype(np.dtype(dtype), np.integer):
+        raise ValueError(f"tokens must be integer ids, found dtype {dtype}")
+    if shape[0] < 1:
+        raise ValueError("tokens hold no prompt (batch size 0)")
+    if shape[1] < 1:
+        raise ValueError("tokens must hold at least one position (found length 0)")
+
+
+def check_embeds(inputs_embeds, d_model: int) -> jax.Array:
+    """inputs_embeds (b, l, d_model) float -> fp32 jax array (finite when concrete)."""
+    e = inputs_embeds if is_traced(inputs_embeds) else jnp.asarray(inputs_embeds)
+    if e.ndim != 3 or e.shape[-1] != d_model:
+        raise ValueError(f"inputs_embeds must have shape (batch, length, {d_model}), found {tuple(e.shape)}")
+    if not jnp.issubdtype(e.dtype, jnp.floating):
+        raise ValueError(f"inputs_embeds must be floating point, found dtype {e.dtype}")
+    if e.shape[0] < 1 or e.shape[1] < 1:
+        raise ValueError(f"inputs_embeds hold no prompt or no position: shape {tuple(e.shape)}")
+    if not is_traced(e) and not np.isfinite(np.asarray(e)).all():  # numpy: no staging inside a jit trace
+        raise ValueError("inputs_embeds hold NaN or inf")
+    return e.astype(jnp.float32)
+
+
+def check_mask(mask, batch: int, length: int) -> jax.Array:
+    """A padding mask (b, l) of valid positions -> bool jax array; None means every position is valid
+    (an all-True array: the mask is always an array, so all-valid and padded calls trace alike).
+
+    Concrete masks are checked: shape, boolean (or 0/1) values, at least one valid position per row
+    and one contiguous valid run per row (left and/or right padding; a hole is refused, with the row
+    and positions named).
+    """
+    if mask is None:
+        return jnp.ones((batch, length), bool)
+    if is_traced(mask):
+        if tuple(mask.shape) != (batch, length):
+            raise ValueError(f"mask must have shape (batch, length) = {(batch, length)}, found {mask.shape}")
+        return mask.astype(bool)
+    m = np.asarray(mask)
+    if m.shape != (batch, length):
+        raise ValueError(f"mask must have shape (batch, length) = {(batch, length)}, found {m.shape}")
+    if m.dtype != bool:
+        if not (np.issubdtype(m.dtype, np.number) and np.isin(m, (0, 1)).all()):
+            raise ValueError(f"mask must be boolean (or 0/1) valid-position flags, found dtype {m.dtype}")
+        m = m.astype(bool)
+    for b, row in enumerate(m):
+        valid = np.flatnonzero(row)
+        if valid.size == 0:
+            raise ValueError(f"mask row {b} has no valid position")
+        if valid[-1] - valid[0] + 1 != valid.size:
+            holes = np.flatnonzero(~row[valid[0] : valid[-1] + 1]) + valid[0]
+            raise ValueError(
+                f"mask row {b} has a hole at position(s) {holes[:8].tolist()}: valid positions must be one "
+                "contiguous run (padding on the left and/or right only)"
+            )
+    return jnp.asarray(m)
+
+
+def bucket_length(length: int) -> int:
+    """The padded length that ``length`` positions are computed at, so that nearby lengths share one
+    compiled program: a multiple of 16 up to 64, of 32 up to 512, of 128 up to 4096, then of 512
+    (at most ~50% more positions for tiny inputs, where compilation dominates, and ~12% for long ones)."""
+    step = 16 if length <= 64 else 32 if length <= 512 else 128 if length <= 4096 else 512
+    return -(-length // step) * step
+
+
+def bucket_pad(x, mask):
+    """(x, mask) right-padded along axis 1 to :func:`bucket_length` of their length, the mask marking
+    the added positions as padding (exact: padding is skipped by construction). ``x``: validated ids
+    (b, l) or embeddings (b, l, d); ``mask`` (b, l) bool. Traced inputs are returned as they are (their
+    program is the caller's)."""
+    if is_traced(x) or is_traced(mask):
+        return x, mask
+    extra = bucket_length(x.shape[1]) - x.shape[1]
+    if extra == 0:
+        return x, mask
+    widths = [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2)
+    return jnp.pad(x, widths), jnp.pad(mask, ((0, 0), (0, extra)))
+
+
+def check_layers(layers, n_layers: int) -> tuple[int, ...]:
+    """None (all layers), an int, or ints in [-n, n) -> a non-empty tuple of layer indices in [0, n)."""
+    if layers is None:
+        return tuple(range(n_layers))
+    items = _as_int_list(layers, "layers")
+    out = []
+    for x in items:
+        if not -n_layers <= x < n_layers:
+            raise ValueError(f"layer must be an int in [0, {n_layers}) (or negative from the end), found {x}")
+        out.append(x % n_layers)
+    if not out:
+        raise ValueError("layers must name at least one layer")
+    return tuple(out)
+
+
+def check_rows(rows, length: int) -> tuple[int, ...] | None:
+    """None (all positions), an int, or ints in [-l, l) -> a non-empty tuple of positions in [0, l)."""
+    if rows is None:
+        return None
+    items = _as_int_list(rows, "rows")
+    out = []
+    for r in items:
+        if not -length <= r < length:
+            raise ValueError(f"rows must be ints in [0, {length}) (or negative from the end), found {r}")
+        out.append(r % length)
+    if not out:
+        raise ValueError("rows must name at least one position")
+    return tuple(out)
+
+
+def _as_int_list(x, what: str) -> list[int]:
+    """An int, a sequence of ints, or a concrete integer array -> a list of Python ints."""
+    if is_traced(x):
+        raise ValueError(f"{what} must be concrete ints (they fix the output shape), not a traced array")
+    if isinstance(x, bool) or isinstance(x, float):
+        raise ValueError(f"{what} must be ints, found {x!r}")
+    if isinstance(x, int | np.integer):
+        return [int(x)]
+    arr = np.asarray(x) if not isinstance(x, Sequence) or isinstance(x, str) else None
+    if arr is not None:
+        if arr.ndim > 1 or not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"{what} must be ints or a 1-D integer array, found {x!r}")
+        return [int(v) for v in arr.reshape(-1)]
+    out = []
+    for v in x:
+        if isinstance(v, bool) or not isinstance(v, int | np.integer):
+            raise ValueError(f"{what} must be ints, found {v!r}")
+        out.append(int(v))
+    return out

@@ -1,0 +1,290 @@
+"""The Mamba language model (both versions) as a Flax NNX module.
+
+h^0 = E[ids];  h^{l+1} = h^l + Mixer_l(RMSNorm_l(h^l))   (residual stream in fp32)
+logits = RMSNorm_f(h^L) @ E_out^T                          (E_out = E when tied)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from latim_jax.kernels import f32
+from latim_jax.model.config import MambaConfig, param_shapes
+from latim_jax.model.inputs import bucket_pad, check_embeds, check_mask, check_tokens
+from latim_jax.model.jit import jit_model_fn
+from latim_jax.model.layers import normed_linear, rms_norm
+from latim_jax.model.mixers import make_mixer
+from latim_jax.model.sharding import context
+from latim_jax.parallel.context import XLA, Context
+from latim_jax.parallel.mesh import DATA, P, gather, pad_batch, put
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """What :meth:`MambaLM.prepare_inputs` returns: h (b', l', d) fp32 the stream entering layer 0,
+    mask (b', l') bool of valid positions (always an array: all-valid and padded calls trace alike),
+    tokens (b', l') int32 or None (embeddings were given), batch = b the caller's batch size (b' > b
+    only on a mesh, whose "data" axis needs a multiple: the extra prompts repeat the last one and are
+    dropped from results), length = l the caller's length (l' > l only with bucket padding: the extra
+    positions are padding, cut from results), given_mask: whether the caller passed a mask."""
+
+    h: jax.Array
+    mask: jax.Array
+    tokens: jax.Array | None
+    batch: int
+    length: int
+    given_mask: bool = True
+
+    def cut(self, x, axis: int = 0):
+        """x with the mesh's extra prompts (axis ``axis``) and the bucket's extra positions (the next
+        axis) removed: the caller's (b, l)."""
+        index = [slice(None)] * axis + [slice(0, self.batch), slice(0, self.length)]
+        return x[tuple(index)]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ModelOutput:
+    """logits (b, l, v) fp32; residuals (n_layers + 1, b, l, d) fp32: residuals[l] is the stream entering
+    layer l (residuals[0] = embeddings, residuals[-1] = the stream entering the final norm)."""
+
+    logits: jax.Array
+    residuals: jax.Array
+
+
+# a prompt of at least this many positions runs in_proj with its pre-norm folded past the product
+FOLD_FROM_LENGTH = 4096
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block: h + Mixer(RMSNorm(h)); ``kind`` is its mixer's layer kind.
+
+    ``fold_from``: from this prompt length on, in_proj runs with the pre-norm folded past the product
+    (:func:`latim_jax.model.layers.normed_linear`; the same value to fp32 rounding, faster on long
+    inputs). The choice depends on the length alone, so a prompt alone and inside a batch take the
+    same branch; a plain attribute of the module, so changing it retraces."""
+
+    def __init__(self, config: MambaConfig, params: dict, *, fold_from: int = FOLD_FROM_LENGTH):
+        self.config = config
+        self.norm = nnx.Param(jnp.asarray(params["norm"]))
+        self.mixer = make_mixer(config, params["mixer"])
+        self.fold_from = fold_from
+
+    @property
+    def kind(self) -> str:
+        """The layer kind: "mamba1" or "mamba2"."""
+        return self.mixer.kind
+
+    def normed(self, h, *, hold_fixed=False):
+        """The mixer input xhat = RMSNorm(h), cast to the weight dtype as the reference does;
+        ``hold_fixed``: the norm's scale 1 / rms(h) gets no gradient (xhat linear in h)."""
+        w = self.norm[...]
+        return rms_norm(h, w, self.config.rms_eps, hold_scale=hold_fixed).astype(w.dtype)
+
+    def projected(self, h, *, hold_fixed=False):
+        """The mixer's in_proj output for xhat = RMSNorm(h), (b, l, in_width) fp32: equal to
+        ``mixer.in_projection(self.normed(h))`` (bitwise below ``fold_from`` positions or for non-fp32
+        weights, to fp32 rounding from there on: :func:`latim_jax.model.layers.normed_linear`)."""
+        m = self.mixer
+        return normed_linear(
+            h, self.norm[...], m.in_proj[...], self.config.rms_eps, m._get("in_proj_b"),
+            fold=h.shape[1] >= self.fold_from, hold_scale=hold_fixed,
+        )  # fmt: skip
+
+    def __call__(self, h, *, mask, ctx: Context = XLA):
+        """h (b, l, d) fp32 -> h + o; ``mask`` (b, l) bool of valid positions."""
+        return h.astype(f32) + self.mixer(mask=mask, ctx=ctx, projected=self.projected(h))
+
+
+class MambaLM(nnx.Module):
+    """A Mamba-1 or Mamba-2 causal language model.
+
+    Build one with :func:`latim_jax.load` (from a checkpoint) or ``MambaLM(config, params)``
+    (``latim_jax.model.init.init_params(config, seed)`` gives random parameters for training from
+    scratch). ``model(tokens)`` maps int ids (b, l) to fp32 logits (b, l, v).
+    """
+
+    def __init__(self, config: MambaConfig, params: dict):
+        check_params(config, params)
+        self.config = config
+        self.embedding = nnx.Param(jnp.asarray(params["embedding"]))
+        self.layers = nnx.List([Block(config, p) for p in params["layers"]])
+        self.norm_f = nnx.Param(jnp.asarray(params["norm_f"]))
+        self.lm_head = nnx.Param(jnp.asarray(params["lm_head"])) if "lm_head" in params else None
+        self._task_json = ""  # plain strings keep the module's graph hashable
+        self.source = ""
+        self.tokenizer_dir = ""
+
+    @property
+    def task(self) -> dict | None:
+        """The synthetic task a shipped model was trained on (a dict), or None."""
+        return json.loads(self._task_json) if self._task_json else None
+
+    @task.setter
+    def task(self, value: dict | None) -> None:
+        self._task_json = json.dumps(value, sort_keys=True) if value else ""
+
+    @classmethod
+    def from_params(cls, config: MambaConfig, params: dict) -> MambaLM:
+        """A model holding ``params`` (the tree of :func:`latim_jax.model.config.param_shapes`)."""
+        return cls(config, params)
+
+    def params(self) -> dict:
+        """The parameter tree (plain arrays) in the layout of :func:`latim_jax.model.config.param_shapes`."""
+        out: dict[str, Any] = {
+            "embedding": self.embedding[...],
+            "layers": [{"norm": b.norm[...], "mixer": b.mixer.param_dict()} for b in self.layers],
+            "norm_f": self.norm_f[...],
+        }
+        if self.lm_head is not None:
+            out["lm_head"] = self.lm_head[...]
+        return out
+
+    @property
+    def unembedding(self):
+        """The (v, d) output matrix (the embedding when tied)."""
+        return (self.lm_head if self.lm_head is not None else self.embedding)[...]
+
+    def check_tokens(self, tokens):
+        """Validate token ids (b, l) before any cast (see :func:`latim_jax.model.inputs.check_tokens`)
+        and return them as an int32 array."""
+        return check_tokens(tokens, self.config.vocab_size)
+
+    def prepare_inputs(
+        self, tokens=None, mask=None, inputs_embeds=None, ctx: Context = XLA, *, bucket: bool = False
+    ) -> Inputs:
+        """Validated inputs from token ids or embeddings (see :class:`Inputs`), each check made once.
+
+        ``bucket``: right-pad to :func:`latim_jax.model.inputs.bucket_length` (concrete inputs), the
+        extra positions masked as padding, so that nearby lengths share one compiled program. With a
+        mesh in ``ctx`` (the model already laid out on it: :func:`latim_jax.model.sharding.context`),
+        the batch is padded to a multiple of the "data" axis by repeating the last prompt, and the
+        inputs are placed over "data".
+        """
+        if (tokens is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of tokens (b, l) and inputs_embeds (b, l, d)")
+        if inputs_embeds is not None:
+            x, ids = check_embeds(inputs_embeds, self.config.d_model), None
+        else:
+            x = ids = self.check_tokens(tokens)
+        batch, length = x.shape[:2]
+        valid = check_mask(mask, batch, length)
+        if bucket:
+            x, valid = bucket_pad(x, valid)
+            ids = None if ids is None else x
+        if ctx.mesh is not None:
+            size = ctx.axis_size(DATA)
+            spec = P(DATA if size > 1 else None)
+            x, valid = (put(pad_batch(a, size, edge=True), ctx.mesh, spec) for a in (x, valid))
+            ids = None if ids is None else x
+        h = x if ids is None else _embed(self, ids)
+        return Inputs(h=h, mask=valid, tokens=ids, batch=batch, length=length, given_mask=mask is not None)
+
+    def embed(self, tokens):
+        """h^0 (b, l, d) fp32."""
+        return jnp.take(self.embedding[...], tokens, axis=0).astype(f32)
+
+    def final_hidden(self, h):
+        """RMSNorm_f(h) in fp32 (the reference casts to the weight dtype before the head)."""
+        return rms_norm(h, self.norm_f[...], self.config.rms_eps).astype(self.norm_f[...].dtype)
+
+    def head(self, h):
+        """Logits (b, l, v) fp32 from the stream h entering the final norm."""
+        w = self.unembedding
+        return jnp.matmul(self.final_hidden(h).astype(w.dtype), w.T, preferred_element_type=f32)
+
+    def run_layers(self, h, mask, ctx: Context = XLA, *, start: int = 0, stop: int | None = None) -> list:
+        """[h^start, .., h^stop] the residual streams entering layers start..stop, from h = h^start (all
+        layers, and the final stream, when stop is None), one jitted block call per layer (every layer
+        of a kind shares one program)."""
+        streams = [h]
+        for block in self.layers[start : len(self.layers) if stop is None else stop]:
+            h = block_forward(block, h, mask, ctx=ctx)
+            streams.append(h)
+        return streams
+
+    def forward(self, tokens=None, *, mask=None, inputs_embeds=None, impl="auto", mesh=None) -> ModelOutput:
+        """Logits and every layer's residual stream (see :class:`ModelOutput`).
+
+        tokens: int ids (b, l), or ``inputs_embeds`` (b, l, d) instead (the HF convention; h^0 is then
+        the given embeddings). mask: optional (b, l) bool of valid positions, one contiguous run per
+        row (left and/or right padding): padding is skipped, so real positions' logits equal each
+        prompt alone; pad positions' logits are not meaningful. Every layer runs through one jitted
+        block function, so compile time does not grow with depth. impl: "auto" | "xla" | "pallas"
+        (:mod:`latim_jax.parallel.context`). mesh: a device mesh (see :mod:`latim_jax.parallel.mesh`):
+        prompts split over "data", the layers model-parallel over "model".
+        """
+        ctx = context(self, impl, mesh)
+        x = self.prepare_inputs(tokens, mask, inputs_embeds, ctx)
+        residuals = self.run_layers(x.h, x.mask, ctx)
+        out = ModelOutput(logits=_head(self, residuals[-1]), residuals=jnp.stack(residuals))
+        if ctx.mesh is None:
+            return out
+        out = gather(out)
+        return ModelOutput(logits=out.logits[: x.batch], residuals=out.residuals[:, : x.batch])
+
+    def __call__(self, tokens=None, *, mask=None, inputs_embeds=None, impl="auto", mesh=None):
+        """Logits (b, l, v) fp32 for int token ids (b, l) (or ``inputs_embeds``; see :meth:`forward`)."""
+        return self.forward(tokens, mask=mask, inputs_embeds=inputs_embeds, impl=impl, mesh=mesh).logits
+
+    def init_cache(self, batch: int):
+        """Zero recurrent caches, one (conv, ssm) pair per layer."""
+        return [b.mixer.init_cache(batch) for b in self.layers]
+
+    def step(self, token, cache, valid):
+        """One decoding step: token ids (b,) -> (logits (b, v), new cache); ``valid`` (b,) bool: False
+        marks a padding step, which leaves every cache as the padding would (see mixers)."""
+        h = self.embed(token[:, None])[:, 0]
+        new_cache = []
+        for block, c in zip(self.layers, cache, strict=True):
+            o, c = block.mixer.step(block.normed(h), c, valid)
+            h = h + o
+            new_cache.append(c)
+        return self.head(h[:, None])[:, 0], new_cache
+
+
+@jit_model_fn(static_argnames=("ctx",))
+def block_forward(block: Block, h, mask, ctx: Context = XLA):
+    """One residual block, jitted once per layer kind (the blocks of a kind share one graph structure)."""
+    return block(h, mask=mask, ctx=ctx)
+
+
+@jit_model_fn
+def _head(model: MambaLM, h):
+    return model.head(h)
+
+
+@jit_model_fn
+def _embed(model: MambaLM, tokens):
+    return model.embed(tokens)
+
+
+def check_params(config: MambaConfig, params: dict) -> None:
+    """Raise ValueError naming the first key whose presence or shape disagrees with ``config``."""
+    expected = param_shapes(config)
+
+    def walk(exp, got, path):
+        if isinstance(exp, dict):
+            if not isinstance(got, dict):
+                raise ValueError(f"parameter {path or '<root>'}: expected a dict, found {type(got).__name__}")
+            missing, extra = sorted(set(exp) - set(got)), sorted(set(got) - set(exp))
+            if missing or extra:
+                raise ValueError(f"parameters at {path or '<root>'}: missing {missing}, unexpected {extra}")
+            for k in exp:
+                walk(exp[k], got[k], f"{path}.{k}" if path else k)
+        elif isinstance(exp, list):
+            if len(exp) != len(got):
+                raise ValueError(f"parameter {path}: expected {len(exp)} layers, found {len(got)}")
+            for i, (e, g) in enumerate(zip(exp, got, strict=True)):
+                walk(e, g, f"{path}.{i}")
+        elif tuple(np.shape(got)) != tuple(exp):
+            raise ValueError(f"parameter {path}: expected shape {tuple(exp)}, found {tuple(np.shape(got))}")
+
+    walk(expected, params, "")

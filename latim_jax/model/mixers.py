@@ -1,0 +1,295 @@
+"""Mamba-1 and Mamba-2 mixers as Flax NNX modules (shape letters: see latim_jax.model.config).
+
+Each mixer computes its per-layer intermediates once (:meth:`intermediates`): the value path u, the
+conv pre-activation c, Delta, B, C, the scan output y and the output multiplier G. The forward is
+``o = (y * G) @ W_out (+ b_out)``, and the LaTIM decomposition reads the very same intermediates, so
+there is one copy of the forward math.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from latim_jax.kernels import dispatch, f32
+from latim_jax.model.config import MambaConfig
+from latim_jax.model.layers import (
+    activation,
+    activation_gate,
+    causal_conv,
+    causal_conv_step,
+    group_rms,
+    linear,
+)
+from latim_jax.parallel.context import XLA, Context
+
+_PARAM_NAMES = (
+    "in_proj",
+    "in_proj_b",
+    "conv_w",
+    "conv_b",
+    "x_proj",
+    "dt_proj",
+    "dt_bias",
+    "A_log",
+    "D",
+    "norm_w",
+    "out_proj",
+    "out_proj_b",
+)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Intermediates:
+    """What one mixer computed for one input (fp32).
+
+    u: (b, l, c) conv input exactly as the forward convolved it (rounded to the weight dtype, zero at
+       padding; Mamba-1: c = e; Mamba-2: c = e + 2gn, the xBC slice; only x is a value)
+    c: (b, l, c) conv pre-activation (bias included); v = act(c)
+    delta: (b, l, e) Mamba-1 / (b, l, h) Mamba-2 (zero at padding: the state skips pad positions)
+    B, C: (b, l, n) Mamba-1 / (b, l, g, n) Mamba-2
+    y: (b, l, e) scan output including the D skip term
+    G: (b, l, e) output multiplier: SiLU(z) (Mamba-1), w_norm * SiLU(z) / rms_group(y * SiLU(z)) (Mamba-2)
+    """
+
+    u: jax.Array
+    c: jax.Array
+    delta: jax.Array
+    B: jax.Array
+    C: jax.Array
+    y: jax.Array
+    G: jax.Array
+
+
+# parameter name -> its inner-channel / head axis (laid out over the mesh's "model" axis by
+# latim_jax.model.sharding); parameters not named here are replicated
+CHANNEL_AXIS = {
+    "in_proj": 1,
+    "in_proj_b": 0,
+    "conv_w": 1,
+    "conv_b": 0,
+    "x_proj": 0,
+    "dt_proj": 1,
+    "dt_bias": 0,
+    "A_log": 0,
+    "D": 0,
+    "norm_w": 0,
+    "out_proj": 0,
+}
+
+
+class _Mixer(nnx.Module):
+    """Shared parameter handling. ``kind`` names the layer kind ("mamba1" / "mamba2"): the key under
+    which the decomposition registers how to write this mixer's output as a sum over source tokens
+    (latim_jax.latim.kinds)."""
+
+    kind = ""
+
+    def __init__(self, config: MambaConfig, params: dict):
+        self.config = config
+        for name in _PARAM_NAMES:
+            if name in params:
+                setattr(self, name, nnx.Param(jnp.asarray(params[name])))
+
+    def _get(self, name):
+        p = getattr(self, name, None)
+        return None if p is None else p[...]
+
+    def param_dict(self) -> dict:
+        """The mixer's parameters as a plain dict of arrays (the layout of config.param_shapes)."""
+        return {n: getattr(self, n)[...] for n in _PARAM_NAMES if hasattr(self, n)}
+
+    @property
+    def A(self):
+        """A = -exp(A_log) in fp32: (e, n) Mamba-1, (h,) Mamba-2."""
+        return -jnp.exp(self.A_log[...].astype(f32))
+
+    def __call__(self, x=None, *, mask, ctx: Context = XLA, projected=None):
+        """Mixer output o (b, l, d) fp32 for the normalised input x (b, l, d) (or ``projected``, its
+        in_proj output, see :meth:`intermediates`); ``mask`` (b, l) bool of valid positions."""
+        return self.output(self.intermediates(x, mask=mask, ctx=ctx, projected=projected))
+
+    def in_projection(self, x):
+        """in_proj's output (b, l, in_width) fp32 for the normalised input x (b, l, d)."""
+        return linear(x, self.in_proj[...], self._get("in_proj_b"))
+
+    def split_in_proj(self, x):
+        """The in_proj output of x split into its parts (see :meth:`split_projection`)."""
+        return self.split_projection(self.in_projection(x))
+
+    def _projection(self, x, projected):
+        """in_proj's output: ``projected`` when given (the caller computed it, e.g. a Block with its
+        norm folded in: :func:`latim_jax.layers.normed_linear`), else that of x."""
+        if (x is None) == (projected is None):
+            raise ValueError("pass exactly one of x (the normalised input) and projected (in_proj(x))")
+        return self.in_projection(x) if projected is None else projected
+
+    def output(self, inter: Intermediates):
+        """o = (y * G) @ W_out (+ b_out)."""
+        return linear(inter.y * inter.G, self.out_proj[...], self._get("out_proj_b"))
+
+    def conv_input(self, u, mask):
+        """The conv input as the forward uses it: zero at padding (``mask`` (b, l) or (b,) bool), rounded
+        to the weight dtype (the reference convolves in the weight dtype), returned in fp32."""
+        u = u * mask[..., None].astype(u.dtype)
+        return u.astype(self.in_proj[...].dtype).astype(f32)
+
+
+class Mamba1Mixer(_Mixer):
+    """The Mamba-1 selective-scan mixer (reference semantics of transformers' MambaMixer)."""
+
+    kind = "mamba1"
+
+    def split_projection(self, xz):
+        """in_proj output (b, l, 2e) -> u, z (b, l, e) fp32."""
+        e = self.config.d_inner
+        return xz[..., :e], xz[..., e:]
+
+    def ssm_params(self, v):
+        """v (b, l, e) -> Delta (b, l, e), B, C (b, l, n), all fp32."""
+        c = self.config
+        dbc = linear(v, self.x_proj[...])
+        dt_low, B, C = jnp.split(dbc, [c.dt_rank, c.dt_rank + c.d_state], axis=-1)
+        delta = jax.nn.softplus(linear(dt_low, self.dt_proj[...]) + self.dt_bias[...].astype(f32))
+        return delta, B, C
+
+    def intermediates(
+        self, x=None, *, mask, ctx: Context = XLA, hold_fixed=False, projected=None
+    ) -> Intermediates:
+        """All per-layer quantities for the input x (b, l, d), or for ``projected``, x's in_proj output
+        (b, l, 2e) when the caller has it; padding (``mask`` False) is skipped. ``hold_fixed``: the
+        same values, but no gradient through Delta, B, C, the activation's gate and the output gate
+        (the quantities LaTIM holds fixed): the layer is then linear in u."""
+        u, z = self.split_projection(self._projection(x, projected))
+        u = self.conv_input(u, mask)
+        c = causal_conv(u, self.conv_w[...], self._get("conv_b"))
+        v = _value_activation(self.config.activation, c, hold_fixed)
+        delta, B, C = _held(self.ssm_params(v), hold_fixed)
+        delta = _skip_padding(delta, mask)
+        y, _ = dispatch.selective_scan(v, delta, self.A, B, C, self.D[...], ctx=ctx)
+        (G,) = _held((jax.nn.silu(z),), hold_fixed)
+        return Intermediates(u=u, c=c, delta=delta, B=B, C=C, y=y, G=G)
+
+    def init_cache(self, batch: int):
+        """Zero recurrent cache: (conv (b, k-1, e), ssm (b, e, n))."""
+        c = self.config
+        return (
+            jnp.zeros((batch, c.d_conv - 1, c.conv_dim), f32),
+            jnp.zeros((batch, c.d_inner, c.d_state), f32),
+        )
+
+    def step(self, x_t, cache, valid):
+        """One token x_t (b, d) -> (o_t (b, d), cache); ``valid`` (b,) bool: False leaves the cache as a
+        padding position would (zero conv input, no state update)."""
+        conv_cache, state = cache
+        u, z = self.split_in_proj(x_t)
+        u = self.conv_input(u, valid)
+        c_t, conv_cache = causal_conv_step(conv_cache, u, self.conv_w[...], self._get("conv_b"))
+        v = activation(self.config.activation)(c_t)
+        delta, B, C = self.ssm_params(v)
+        delta = _skip_padding(delta, valid)
+        y, state = dispatch.selective_scan_step(state, v, delta, self.A, B, C, self.D[...])
+        o = linear(y * jax.nn.silu(z), self.out_proj[...], self._get("out_proj_b"))
+        return o, (conv_cache, state)
+
+
+class Mamba2Mixer(_Mixer):
+    """The Mamba-2 SSD mixer with grouped gated RMSNorm (transformers' Mamba2Mixer semantics)."""
+
+    kind = "mamba2"
+
+    def split_projection(self, zxbcdt):
+        """in_proj output (b, l, 2e+2gn+h) -> z (b, l, e), xBC (b, l, e+2gn), dt (b, l, h), fp32."""
+        c = self.config
+        e = c.d_inner
+        return zxbcdt[..., :e], zxbcdt[..., e : e + c.conv_dim], zxbcdt[..., e + c.conv_dim :]
+
+    def split_xbc(self, v):
+        """Post-activation xBC (..., e+2gn) -> x (..., h, p), B, C (..., g, n)."""
+        c = self.config
+        e, gn = c.d_inner, c.n_groups * c.d_state
+        lead = v.shape[:-1]
+        x = v[..., :e].reshape(*lead, c.n_heads, c.head_dim)
+        B = v[..., e : e + gn].reshape(*lead, c.n_groups, c.d_state)
+        C = v[..., e + gn :].reshape(*lead, c.n_groups, c.d_state)
+        return x, B, C
+
+    def delta(self, dt):
+        """Delta = clamp(softplus(dt + dt_bias), time_step_limit), (..., h) fp32."""
+        lo, hi = self.config.time_step_limit
+        return jnp.clip(jax.nn.softplus(dt + self.dt_bias[...].astype(f32)), lo, hi)
+
+    def gate(self, y, z):
+        """G = w_norm * SiLU(z) / rms_group(y * SiLU(z)); y, z (..., e)."""
+        c = self.config
+        g = jax.nn.silu(z)
+        return self.norm_w[...].astype(f32) * g / group_rms(y * g, c.n_groups, c.rms_eps)
+
+    def intermediates(
+        self, x=None, *, mask, ctx: Context = XLA, hold_fixed=False, projected=None
+    ) -> Intermediates:
+        """All per-layer quantities for the input x (b, l, d), or for ``projected``, its in_proj output
+        (see Mamba-1); padding (``mask`` False) is skipped. ``hold_fixed``: no gradient through
+        Delta, B, C, the activation's gate and G (see Mamba-1)."""
+        c = self.config
+        z, u, dt = self.split_projection(self._projection(x, projected))
+        u = self.conv_input(u, mask)
+        conv = causal_conv(u, self.conv_w[...], self._get("conv_b"))
+        v = _value_activation(c.activation, conv, hold_fixed)
+        xs, B, C = self.split_xbc(v)
+        B, C, delta = _held((B, C, self.delta(dt)), hold_fixed)
+        delta = _skip_padding(delta, mask)
+        y, _ = dispatch.ssd(xs, delta, self.A, B, C, self.D[...], c.chunk_size, ctx=ctx)
+        y = y.reshape(*y.shape[:-2], c.d_inner)
+        (G,) = _held((self.gate(y, z),), hold_fixed)
+        return Intermediates(u=u, c=conv, delta=delta, B=B, C=C, y=y, G=G)
+
+    def init_cache(self, batch: int):
+        """Zero recurrent cache: (conv (b, k-1, e+2gn), ssm (b, h, p, n))."""
+        c = self.config
+        return (
+            jnp.zeros((batch, c.d_conv - 1, c.conv_dim), f32),
+            jnp.zeros((batch, c.n_heads, c.head_dim, c.d_state), f32),
+        )
+
+    def step(self, x_t, cache, valid):
+        """One token x_t (b, d) -> (o_t (b, d), cache); ``valid`` (b,) bool: False leaves the cache as a
+        padding position would (zero conv input, no state update)."""
+        c = self.config
+        conv_cache, state = cache
+        z, u, dt = self.split_in_proj(x_t)
+        u = self.conv_input(u, valid)
+        c_t, conv_cache = causal_conv_step(conv_cache, u, self.conv_w[...], self._get("conv_b"))
+        xs, B, C = self.split_xbc(activation(c.activation)(c_t))
+        delta = _skip_padding(self.delta(dt), valid)
+        y, state = dispatch.ssd_step(state, xs, delta, self.A, B, C, self.D[...])
+        y = y.reshape(y.shape[0], c.d_inner)
+        o = linear(y * self.gate(y, z), self.out_proj[...], self._get("out_proj_b"))
+        return o, (conv_cache, state)
+
+
+def _value_activation(name, c, hold_fixed):
+    """act(c); held fixed, s(c) c with the gate s = act(c) / c frozen (the same value, linear in c)."""
+    if not hold_fixed:
+        return activation(name)(c)
+    return jax.lax.stop_gradient(activation_gate(name, c)) * c
+
+
+def _held(values, hold_fixed):
+    """``values`` with stop_gradient when ``hold_fixed``."""
+    return tuple(jax.lax.stop_gradient(v) for v in values) if hold_fixed else tuple(values)
+
+
+def _skip_padding(delta, mask):
+    """Delta = 0 at padding (``mask`` (b, l) or (b,) bool): exp(Delta A) = 1 and Delta B x = 0, so the
+    state passes pad positions unchanged and a pad source gets zero hidden attention."""
+    return delta * mask[..., None].astype(delta.dtype)
+
+
+def make_mixer(config: MambaConfig, params: dict) -> _Mixer:
+    """The mixer module of ``config.version`` holding ``params`` (one layer's 'mixer' dict)."""
+    return (Mamba1Mixer if config.version == 1 else Mamba2Mixer)(config, params)

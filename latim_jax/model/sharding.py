@@ -1,0 +1,68 @@
+"""The model's parameter layout on a device mesh, and the execution context of a call on it.
+
+:func:`shard` splits each mixer parameter over the mesh's "model" axis along its inner-channel / head
+axis (the mixers' ``CHANNEL_AXIS`` table; a dimension the axis size does not divide stays whole), the
+embedding and head over "model" along the vocabulary when it divides, and replicates the norms;
+everything is replicated over "data". :func:`context` is what every public entry point calls once:
+it validates the mesh, lays the model out on it unless it already is, and resolves ``impl``.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+
+from latim_jax.model.mixers import CHANNEL_AXIS
+from latim_jax.parallel.context import Context, resolve
+from latim_jax.parallel.mesh import MODEL, P, check_mesh
+
+
+def param_spec(name: str, shape: tuple[int, ...], model_size: int) -> P:
+    """The PartitionSpec of one mixer parameter: its channel axis on "model" when divisible, else
+    replicated (a model axis that does not divide a dimension leaves that parameter whole)."""
+    axis = CHANNEL_AXIS.get(name)
+    if axis is None or model_size <= 1 or shape[axis] % model_size:
+        return P()
+    spec = [None] * len(shape)
+    spec[axis] = MODEL
+    return P(*spec)
+
+
+def shard(model, mesh: Mesh):
+    """Lay ``model``'s parameters out on ``mesh`` (in place; returns the model). See the module
+    docstring for the layout."""
+    mesh = check_mesh(mesh)
+    m = Context(mesh=mesh).axis_size(MODEL)
+
+    def put(param, spec):
+        param.set_value(jax.device_put(param[...], NamedSharding(mesh, spec)))
+
+    for block in model.layers:
+        for name, value in block.mixer.param_dict().items():
+            put(getattr(block.mixer, name), param_spec(name, value.shape, m))
+        put(block.norm, P())
+    for name in ("embedding", "lm_head"):
+        param = getattr(model, name, None)
+        if param is not None:
+            vocab = param[...].shape[0]
+            put(param, P(MODEL, None) if m > 1 and vocab % m == 0 else P())
+    put(model.norm_f, P())
+    return model
+
+
+def on_mesh(model, mesh: Mesh) -> bool:
+    """Whether every parameter of ``model`` lives on exactly ``mesh``'s devices."""
+    want = set(mesh.devices.flat)
+    leaves = jax.tree.leaves(model.params())
+    return all(set(x.sharding.device_set) == want for x in leaves if hasattr(x, "sharding"))
+
+
+def context(model, impl="auto", mesh: Mesh | None = None) -> Context:
+    """The execution context of a call on ``model``: ``impl`` resolved (:func:`latim_jax.parallel.
+    context.resolve`) and, with a mesh, the model laid out on it first (in place) unless it already is."""
+    if mesh is None:
+        return resolve(impl)
+    mesh = check_mesh(mesh)
+    if not on_mesh(model, mesh):
+        shard(model, mesh)
+    return resolve(impl, mesh)

@@ -1,0 +1,119 @@
+"""Token words for a model: its tokenizer.json, or the words of the task it was trained on.
+
+Shipped task models carry a word-level tokenizer.json written by :func:`write_task_tokenizer` from
+:func:`latim_jax.tasks.registry.vocabulary` (one whitespace-free word per id: ``t5``, ``<sep>``, ``k3``,
+``v7``, ...), so ``--text "t3 t9 <sep> t3"`` and readable plot labels work on them. Text is split on
+whitespace only (tokenizers' WhitespaceSplit pre-tokenizer), so words such as ``<sep>`` stay whole.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from latim_jax.io.atomic import write_bytes_atomic
+from latim_jax.tasks import registry
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def task_words(task: dict, vocab_size: int | None = None) -> list[str]:
+    """:func:`latim_jax.tasks.registry.vocabulary` padded to ``vocab_size`` entries with ``<unused{id}>`` (a
+    model's embedding table may have more rows than the task has ids)."""
+    words = registry.vocabulary(task)
+    if vocab_size is not None and vocab_size < len(words):
+        raise ValueError(f"the task has {len(words)} ids but the model's vocabulary only {vocab_size}")
+    return words + [f"<unused{i}>" for i in range(len(words), vocab_size or len(words))]
+
+
+def word_tokenizer(words: list[str]):
+    """A tokenizers.Tokenizer mapping each word to its index (WordLevel, split on whitespace)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    if len(set(words)) != len(words) or any(not w or w.split() != [w] for w in words):
+        raise ValueError("tokenizer words must be distinct, non-empty and free of whitespace")
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return tok
+
+
+def write_task_tokenizer(directory: str | os.PathLike, task: dict, vocab_size: int | None = None) -> Path:
+    """Write ``directory/tokenizer.json`` for ``task`` (atomically); returns its path."""
+    path = Path(directory) / TOKENIZER_FILE
+    text = word_tokenizer(task_words(task, vocab_size)).to_str(pretty=True)
+    write_bytes_atomic(path, (text + "\n").encode())
+    return path
+
+
+def load_tokenizer(model):
+    """The model's tokenizers.Tokenizer: its tokenizer.json, else one built from its task's words,
+    else None."""
+    from tokenizers import Tokenizer
+
+    directory = getattr(model, "tokenizer_dir", "") or ""
+    if directory and (Path(directory) / TOKENIZER_FILE).is_file():
+        return Tokenizer.from_file(str(Path(directory) / TOKENIZER_FILE))
+    task = getattr(model, "task", None)
+    if task and task.get("name") in registry.TASK_FIELDS:
+        return word_tokenizer(task_words(task, model.config.vocab_size))
+    return None
+
+
+def model_words(model, limit: int | None = None) -> list[str] | None:
+    """The words of ids 0 .. (``limit`` or the vocabulary size) - 1, or None without a vocabulary."""
+    tok = load_tokenizer(model)
+    if tok is None:
+        return None
+    n = model.config.vocab_size if limit is None else min(limit, model.config.vocab_size)
+    return [tok.id_to_token(i) or f"<{i}>" for i in range(n)]
+
+
+def describe(
+    words: list[str], total: int | None = None, show_all: int = 64, head: int = 24, tail: int = 4
+) -> str:
+    """``id=word`` pairs: all of them up to ``show_all`` words, else the first ``head`` and the last
+    ``tail`` with the middle elided (``0=<pad> 1=k1 ... (n more) ... 99=v80``). ``words`` may be the
+    first entries only of a ``total``-word vocabulary (then only the head is shown)."""
+    total = len(words) if total is None else total
+    pairs = [f"{i}={w}" for i, w in enumerate(words)]
+    if len(pairs) == total and total <= show_all:
+        return " ".join(pairs)
+    if len(pairs) == total:
+        return f"{' '.join(pairs[:head])} ... ({total - head - tail} more) ... {' '.join(pairs[-tail:])}"
+    shown = pairs[:head]
+    return f"{' '.join(shown)} ... ({total - len(shown)} more)"
+
+
+def encode(model, text: str) -> tuple[list[int], list[str]]:
+    """Token ids and their words for ``text``. Raises ValueError when the model has no tokenizer (and
+    no task vocabulary) or when a word is not in a word-level vocabulary, naming it and showing the
+    vocabulary."""
+    tok = load_tokenizer(model)
+    if tok is None:
+        raise ValueError(
+            f"the checkpoint {model.source!r} has no tokenizer.json and no task vocabulary; "
+            "pass token ids with --tokens '3 5 7' instead"
+        )
+    if _is_word_level(tok):
+        words = text.split()
+        unknown = [w for w in words if tok.token_to_id(w) is None]
+        if unknown:
+            vocab = describe(model_words(model) or [])
+            raise ValueError(
+                f"unknown word(s) {unknown[:5]} for this model's vocabulary ({vocab}); "
+                "separate words by spaces, or pass ids with --tokens"
+            )
+    enc = tok.encode(text)
+    return list(enc.ids), list(enc.tokens)
+
+
+def labels(model, ids) -> list[str]:
+    """A readable label per id: the model's word for it, else the id itself."""
+    tok = load_tokenizer(model)
+    if tok is None:
+        return [str(int(i)) for i in ids]
+    return [tok.id_to_token(int(i)) or str(int(i)) for i in ids]
+
+
+def _is_word_level(tok) -> bool:
+    return type(tok.model).__name__ == "WordLevel"

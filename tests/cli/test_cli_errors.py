@@ -1,0 +1,212 @@
+"""User errors on the command line: each is one ``error:`` line on stderr naming the problem, exit code
+2 (usage or input) or 1 (a check that failed), no traceback, and refused before any long computation.
+Relative paths throughout (tests run in tmp_path)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+
+from latim_jax import cli
+from latim_jax.cli import main
+from latim_jax.cli.args import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from latim_jax.convert import save_checkpoint
+from latim_jax.model.config import MambaConfig
+from latim_jax.model.init import init_params
+
+CFG = MambaConfig(version=1, d_model=8, n_layers=1, vocab_size=12, d_state=2, d_conv=2)
+
+
+@pytest.fixture
+def here(tmp_path, monkeypatch):
+    """tmp_path as the current directory, holding a tiny checkpoint ./ck."""
+    save_checkpoint(tmp_path / "ck", CFG, init_params(CFG, 0))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.fixture
+def no_compute(monkeypatch):
+    """Fail the test if the command reaches the attribution or generation computation."""
+    import latim_jax.latim.attribution
+    import latim_jax.model.generate
+
+    def boom(*a, **k):
+        raise AssertionError("computation started before the input was checked")
+
+    monkeypatch.setattr(latim_jax.latim.attribution, "attribute", boom)
+    monkeypatch.setattr(latim_jax.model.generate, "generate", boom)
+
+
+def run(argv, capsys):
+    """(exit code, stderr) of ``latim-jax argv``; checks stderr is one 'error:' line when rc != 0."""
+    rc = main(argv)
+    err = capsys.readouterr().err
+    if rc != EXIT_OK:
+        assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    return rc, err
+
+
+def test_exit_codes_are_documented_in_help(capsys):
+    assert (EXIT_OK, EXIT_FAILED, EXIT_USAGE) == (0, 1, 2)
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "exit codes:" in out and "0  success" in out and "1  the check" in out and "2  usage" in out
+
+
+def test_choices_are_the_api_choices(capsys):
+    """The CLI takes its choices from the library (no repeated list): every API method, mode and
+    precision parses, and anything else is an invalid choice naming the flag."""
+    from latim_jax.latim.kinds import MODES
+    from latim_jax.latim.scores import METHODS, PRECISIONS
+
+    parser = cli.build_parser()
+    for method in METHODS:
+        for mode in MODES:
+            for precision in PRECISIONS:
+                args = ["attribute", "--method", method, "--mode", mode, "--precision", precision]
+                parsed = parser.parse_args(args)
+                assert (parsed.method, parsed.mode, parsed.precision) == (method, mode, precision)
+    for argv, name in [
+        (["attribute", "--method", "nope"], "--method"),
+        (["attribute", "--mode", "approx"], "--mode"),
+        (["evaluate", "mqar", "--gold", "answer"], "--gold"),
+        (["convert", "a", "b", "--dtype", "int8"], "--dtype"),
+    ]:
+        rc, err = run(argv, capsys)
+        assert rc == EXIT_USAGE and name in err and "invalid choice" in err
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["attribute", "--model", "ck", "--out", "missing/s.npz"], ["--out", "does not exist"]),
+        (["attribute", "--model", "ck", "--out", "ck"], ["--out", "is a directory"]),
+        (["attribute", "--model", "ck", "--out", "old.npz"], ["--out", "exists", "--force"]),
+        (["attribute", "--model", "ck", "--out", "x.html", "--html", "x.html"], ["same file"]),
+        (["attribute", "--model", "ck", "--plot", "map.bmp"], ["--plot", ".bmp", ".png", ".svg"]),
+        (["attribute", "--model", "ck", "--plot", "map"], ["--plot", "no extension"]),
+        (["attribute", "--model", "ck", "--text", "a", "--tokens", "1"], ["--text", "--tokens"]),
+        (["attribute", "--model", "ck", "--tokens", ""], ["prompt is empty"]),
+        (["attribute", "--model", "ck", "--tokens", "1 x"], ["--tokens", "integers"]),
+        (["attribute", "--model", "ck/latim_config.json", "--tokens", "1"], ["a file", "directory"]),
+        (["attribute", "--model", "nowhere", "--tokens", "1"], ["nowhere", "shipped models"]),
+        (["attribute", "--model", "ck", "--seed", "-1"], ["--seed", ">= 0"]),
+        (["generate", "--model", "ck", "--tokens", "1", "--max-new-tokens", "-1"], ["--max-new-tokens"]),
+        (["generate", "--model", "ck", "--tokens", "1", "--temperature", "nan"], ["--temperature", "nan"]),
+        (["generate", "--model", "ck", "--tokens", "1", "--temperature", "-1"], ["--temperature"]),
+        (["generate", "--model", "ck", "--tokens", " "], ["prompt is empty"]),
+        (["generate", "--model", "ck"], ["no task", "--tokens"]),
+        (["evaluate", "copy", "--n", "0"], ["--n", "positive"]),
+        (["evaluate", "copy", "--batch-size", "0"], ["--batch-size", "positive"]),
+        (["evaluate", "copy", "--model", "copy-mamba1", "--version", "2"], ["--version", "--model"]),
+        (["evaluate", "copy", "--gold", "value"], ["--gold value", "mqar"]),
+        (["evaluate", "copy", "--model", "ck"], ["trained on no task", "'copy'"]),
+        (["evaluate", "copy", "--model", "mqar-mamba2"], ["mqar", "'copy'"]),
+        (["evaluate", "mqar", "--out", "missing/r.json"], ["--out", "does not exist"]),
+        (["check", "--model", "ck", "--length", "0"], ["--length", "positive"]),
+        (["check", "--model", "ck", "--json", "ck"], ["--json", "is a directory"]),
+        (["convert", "ck", "ck", "--overwrite"], ["is the source"]),
+    ],
+)
+def test_user_errors_are_one_line_with_exit_code_2(here, capsys, no_compute, argv, words):
+    (here / "old.npz").write_bytes(b"keep")
+    rc, err = run(argv, capsys)
+    assert rc == EXIT_USAGE
+    for word in words:
+        assert word in err, (word, err)
+    assert (here / "old.npz").read_bytes() == b"keep"
+    assert sorted(p.name for p in here.iterdir()) == ["ck", "old.npz"]  # nothing written, no temp files
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["attribute", "--model", "ck", "--tokens", "1 99"], ["must lie in"]),
+        (["attribute", "--model", "ck", "--tokens", "1", "--layers", "7"], ["layer"]),
+        (["attribute", "--model", "ck", "--tokens", "1 2", "--rows", "5"], ["rows"]),
+    ],
+)
+def test_api_input_errors_become_one_line_with_exit_code_2(here, capsys, argv, words):
+    rc, err = run(argv + ["--out", "s.npz"], capsys)
+    assert rc == EXIT_USAGE and all(w in err for w in words), err
+    assert not (here / "s.npz").exists()
+
+
+def test_task_mismatch_is_one_short_line(here, capsys):
+    rc, err = run(["evaluate", "copy", "--model", "mqar-mamba1"], capsys)
+    assert rc == EXIT_USAGE and len(err) < 200 and "history" not in err and "loss" not in err
+
+
+def test_shipped_name_typo_suggests_at_once_without_the_hub(here, capsys, monkeypatch):
+    import huggingface_hub
+
+    def no_hub(*a, **k):
+        raise AssertionError("a shipped-name typo must not reach the hub")
+
+    for name in ("snapshot_download", "model_info", "list_repo_files"):
+        monkeypatch.setattr(huggingface_hub, name, no_hub)
+    for typo, suggestion in [("copy-mamba3", "copy-mamba2"), ("copy_mamba2", "copy-mamba2"), ("mqar", "")]:
+        start = time.monotonic()
+        rc, err = run(["attribute", "--model", typo, "--tokens", "1"], capsys)
+        assert rc == EXIT_USAGE and time.monotonic() - start < 5
+        assert f"'{suggestion}'" in err if suggestion else "shipped models: copy-mamba1" in err
+        assert "owner/name" in err
+
+
+def test_mistyped_local_path_does_not_reach_the_hub(here, capsys, monkeypatch):
+    import huggingface_hub
+
+    def no_hub(*a, **k):
+        raise AssertionError("a path under a local directory must not reach the hub")
+
+    for name in ("snapshot_download", "model_info", "list_repo_files"):
+        monkeypatch.setattr(huggingface_hub, name, no_hub)
+    rc, err = run(["info", "ck/nope"], capsys)
+    assert rc == EXIT_USAGE and "ck/nope" in err and "no such checkpoint directory" in err
+
+
+def test_hub_id_fails_fast_and_clearly_offline(here, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    start = time.monotonic()
+    rc, err = run(["info", "latim-jax-tests/no-such-model"], capsys)
+    assert rc == EXIT_USAGE and time.monotonic() - start < 10
+    assert "latim-jax-tests/no-such-model" in err and "offline" in err and "local" in err
+
+
+def test_check_verdict_states_the_tolerance_and_fails_on_nan():
+    from latim_jax.cli.check import verdict
+
+    report = {"max_logit_error_relative": 2e-7, "hidden_error_relative": [1e-7, 3e-7]}
+    ok = verdict(report, 1e-4)
+    assert ok["passed"] and ok["summary"].startswith("PASS") and "1.0e-04" in ok["summary"]
+    high = verdict({**report, "hidden_error_relative": [1e-7, 5e-3]}, 1e-4)
+    assert not high["passed"] and "layer 1" in high["summary"] and high["summary"].startswith("FAIL")
+    nan = verdict({**report, "max_logit_error_relative": float("nan")}, 1e-4)
+    assert not nan["passed"] and "FAIL" in nan["summary"] and "NaN" in nan["summary"]
+
+
+@pytest.mark.torch
+def test_check_cli_passes_and_fails(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("transformers")
+    import torch
+    from conftest import build_hf
+
+    model = build_hf(2, vocab=16)
+    model.save_pretrained(tmp_path / "good")
+    with torch.no_grad():
+        model.backbone.layers[0].mixer.out_proj.weight[0, 0] = float("nan")
+    model.save_pretrained(tmp_path / "nan")
+    monkeypatch.chdir(tmp_path)
+    assert main(["check", "--model", "good", "--length", "5", "--json", "r.json"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "PASS" in out and "tolerance 1.0e-04" in out
+    assert json.loads((tmp_path / "r.json").read_text())["passed"] is True
+    rc, err = run(["check", "--model", "nan", "--length", "5"], capsys)
+    assert rc == EXIT_FAILED and "FAIL" in err
+    # a tolerance below the float rounding fails too, with exit code 1
+    assert main(["check", "--model", "good", "--length", "5", "--tolerance", "1e-30"]) == EXIT_FAILED
+    assert np.isfinite(json.loads((tmp_path / "r.json").read_text())["max_logit_error"])

@@ -1,0 +1,153 @@
+"""attribute-dataset: input parsing with line-numbered errors, batched results equal to direct attribution,
+resume after SIGKILL with every prompt exactly once, and open_results (jax only)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import latim_jax
+from latim_jax.convert import save_checkpoint
+from latim_jax.latim.dataset import DatasetError, bucket, make_batches, open_results, read_prompts
+from latim_jax.model.config import MambaConfig
+from latim_jax.model.init import init_params
+
+CFG = MambaConfig(
+    version=2, d_model=16, n_layers=2, vocab_size=16, d_state=4, d_conv=4, head_dim=8, chunk_size=8
+)
+WORDS = ["<unk>", "the", "cat", "sat", "on", "mat", "a", "dog"]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok_dir = tmp_path_factory.mktemp("tok")
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tok_dir / "tokenizer.json"))
+    path = tmp_path_factory.mktemp("ckpt") / "m"
+    save_checkpoint(path, CFG, init_params(CFG, 0), tokenizer_dir=tok_dir)
+    return path
+
+
+def write_lines(path, lines):
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def test_bad_lines_are_named_by_line_and_skipped_or_fatal(tmp_path):
+    lines = [
+        json.dumps({"id": "a", "tokens": [1, 2, 3]}),
+        "{not json",
+        "",
+        json.dumps({"id": "b", "tokens": [1], "text": "the"}),
+        json.dumps({"id": "a", "tokens": [4]}),  # repeated id
+        json.dumps({"id": "c", "tokens": [1, 99]}),  # outside the vocabulary
+        json.dumps({"id": "d", "tokens": list(range(10))}),  # too long for max_length 8
+        json.dumps({"id": 7, "text": "the cat"}),
+    ]
+    path = write_lines(tmp_path / "p.jsonl", lines)
+    with pytest.raises(DatasetError, match=r"p.jsonl:2: not JSON .*--on-bad-line skip"):
+        read_prompts(path, vocab_size=16, max_length=8)
+    warnings = []
+    prompts = read_prompts(
+        path, vocab_size=16, max_length=8, on_bad_line="skip", warn=warnings.append, tokenize=lambda t: [1, 2]
+    )
+    assert [p.id for p in prompts] == ["a", "7"] and prompts[1].tokens == (1, 2) and prompts[1].line == 8
+    assert [w.split(": ")[0].rsplit(":", 1)[1] for w in warnings] == ["2", "3", "4", "5", "6", "7"]
+    assert "repeated id 'a'" in warnings[3] and "outside the vocabulary" in warnings[4]
+    with pytest.raises(DatasetError, match="needs the model's tokenizer"):
+        read_prompts(write_lines(tmp_path / "t.txt", ["the cat"]), vocab_size=16)
+
+
+def test_batches_by_length_and_buckets():
+    assert [bucket(n) for n in (1, 16, 17, 64, 65, 129, 513, 4097)] == [16, 16, 32, 64, 96, 160, 640, 4608]
+    from latim_jax.latim.dataset import Prompt
+
+    prompts = [Prompt(str(k), tuple([1] * n), k) for k, n in enumerate([5, 1, 9, 5, 2])]
+    batches = make_batches(prompts, 2)
+    assert [[p.id for p in b] for b in batches] == [["1", "4"], ["0", "3"], ["2"]]
+
+
+def _direct(model, tokens, rows, method="alti"):
+    return latim_jax.attribute(model, np.asarray([tokens]), method=method, rows=rows)
+
+
+def test_text_file_run_equals_direct_attribution(ckpt, tmp_path, monkeypatch, capsys):
+    from latim_jax.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    write_lines(tmp_path / "prompts.txt", ["the cat sat on the mat", "a dog", "the dog sat on a cat mat the"])
+    for rows in ("all", "last"):
+        argv = ["attribute-dataset", "--model", str(ckpt), "--input", "prompts.txt", "--out", f"run-{rows}"]
+        assert main(argv + ["--rows", rows, "--batch-size", "2", "--method", "logit", "--quiet"]) == 0
+        results = latim_jax.open_results(f"run-{rows}")  # the README's spelling: the package exports it
+        assert latim_jax.open_results is open_results
+        assert len(results) == 3 and sorted(results) == ["1", "2", "3"]
+        model = latim_jax.load(ckpt)
+        for pid, text in zip(("1", "2", "3"), open("prompts.txt").read().splitlines(), strict=True):
+            ids = [WORDS.index(w) for w in text.split()]
+            got = results[pid]
+            np.testing.assert_array_equal(np.asarray(got.tokens[0]), ids)
+            want = _direct(model, ids, None if rows == "all" else [-1], method="logit")
+            np.testing.assert_allclose(got.scores, want.scores, rtol=2e-5, atol=1e-6)
+            np.testing.assert_allclose(got.extra["logit"], want.extra["logit"], rtol=2e-5)
+    # another run's settings into the same directory are refused (a usage error: exit code 2)
+    argv = [
+        "attribute-dataset",
+        "--model",
+        str(ckpt),
+        "--input",
+        "prompts.txt",
+        "--out",
+        "run-all",
+        "--quiet",
+    ]
+    assert main(argv) == 2 and "holds the results of a different run" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_sigkill_then_rerun_gives_every_prompt_once(ckpt, tmp_path):
+    rng = np.random.default_rng(0)
+    lengths = [3, 20, 37, 55, 70, 90, 3, 20]  # several buckets: each batch compiles, so the run is slow
+    lines = [
+        json.dumps({"id": f"q{k}", "tokens": rng.integers(0, 16, n).tolist()}) for k, n in enumerate(lengths)
+    ]
+    inp = write_lines(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "latim_jax.cli", "attribute-dataset", "--model", str(ckpt)]
+    cmd += ["--input", str(inp), "--out", str(out), "--batch-size", "1", "--method", "l2", "--quiet"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ))
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and not list(out.glob("shard-*.npz")):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    first = sorted(p.name for p in out.glob("shard-*.npz"))
+    assert 1 <= len(first) < len(lengths), first  # killed mid-run
+    done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ), timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"{len(lengths) - len(first)} prompts attributed, {len(first)} already there" in done.stdout
+    results = open_results(out)
+    assert sorted(results) == sorted(f"q{k}" for k in range(len(lengths)))
+    ids = [pid for shard in sorted(out.glob("shard-*.npz")) for pid in _ids(shard)]
+    assert sorted(ids) == sorted(results)  # no prompt written twice
+    assert not list(out.glob(".tmp-*"))
+    model = latim_jax.load(ckpt)
+    for k, line in enumerate(lines):
+        tokens = json.loads(line)["tokens"]
+        want = _direct(model, tokens, None, method="l2").scores
+        np.testing.assert_allclose(results[f"q{k}"].scores, want, rtol=2e-5, atol=1e-6)
+
+
+def _ids(shard):
+    with np.load(shard) as z:
+        return json.loads(bytes(z["index"]).decode())["ids"]

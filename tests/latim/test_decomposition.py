@@ -1,0 +1,150 @@
+"""LaTIM decomposition and scores against an independent float64 PyTorch implementation (tests/torch_latim.py,
+fed by forward hooks on transformers): two prompts, a length past the Mamba-2 chunk, both modes, every
+score, every hidden-attention aggregation and every rollout."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import rel_err
+
+import latim_jax
+from latim_jax.model.lm import FOLD_FROM_LENGTH
+
+torch = pytest.importorskip("torch")
+import torch_latim  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+# against the float64 torch reference, relative to the tensor's max magnitude
+TOL = {"T": 2e-5, "score": 2e-5, "conservation": 1e-5, "rollout": 5e-5}
+
+VARIANTS = {
+    "m1": dict(version=1, d_state=4, d_conv=4, use_bias=True, tied=False),
+    "m2g2": dict(version=2, d_state=4, d_conv=3, head_dim=4, n_groups=2),
+    # the ReLU route of the paper (s_t = [c_t > 0]): transformers applies hidden_act after the conv
+    "m1relu": dict(version=1, d_state=4, d_conv=4, act="relu"),
+    "m2relu": dict(version=2, d_state=4, d_conv=3, head_dim=4, n_groups=1, act="relu"),
+}
+B, L = 2, 11  # L > the Mamba-2 chunk (8): the SSD crosses a chunk boundary
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def case(request, hf_dir):
+    name = request.param
+    path, ref = hf_dir("dec_" + name, **VARIANTS[name])
+    model = latim_jax.load(path)
+    tokens = np.random.default_rng(0).integers(0, model.config.vocab_size, (B, L))
+    seen, h_final, logits = torch_latim.capture(ref, torch.from_numpy(tokens))
+    return name, ref, model, tokens, seen, h_final, logits
+
+
+def test_contributions_match_torch_reference(case):
+    name, ref, model, tokens, seen, _, _ = case
+    for layer, rec in enumerate(seen):
+        for mode in ("exact", "paper"):
+            got = latim_jax.contributions(model, tokens, layer, mode=mode)
+            for b in range(B):
+                T, bias, out = torch_latim.decompose_layer(
+                    ref.backbone.layers[layer].mixer, rec["xhat"][b], mode=mode
+                )
+                assert rel_err(got.T[b], T.numpy()) < TOL["T"], (name, layer, mode, b)
+                assert rel_err(got.bias[b], bias.numpy()) < TOL["T"], (name, layer, mode, b)
+                assert rel_err(got.output[b], out.numpy()) < TOL["T"], (name, layer, mode, b)
+            # transformers' own mixer output, read through the hook
+            assert rel_err(got.output, rec["o"].numpy()) < TOL["conservation"]
+
+
+def test_exact_mode_conserves_transformers_mixer_output(case):
+    name, _, model, tokens, seen, _, _ = case
+    for layer, rec in enumerate(seen):
+        c = latim_jax.contributions(model, tokens, layer)
+        rebuilt = np.asarray(c.T.sum(2) + c.bias)
+        assert rel_err(rebuilt, rec["o"].numpy()) < TOL["conservation"], (name, layer)
+        T = np.asarray(c.T)
+        upper = np.triu(np.ones((L, L), bool), 1)
+        assert (T[:, upper] == 0).all()  # exactly zero above the diagonal
+        assert latim_jax.conservation_error(model, tokens, layer) < TOL["conservation"]
+        assert latim_jax.conservation_error(model, tokens, layer, mode="paper") > 1e-3
+
+
+def test_folded_norm_keeps_torch_parity(case):
+    """Long inputs fold the pre-norm past in_proj (latim_jax.model.layers.normed_linear): forced here at
+    L = 11 (Block.fold_from, part of the module's graph, so the calls retrace), the contributions still
+    match the float64 reference and conserve transformers' mixer output."""
+    name, ref, model, tokens, seen, _, logits = case
+    for block in model.layers:
+        block.fold_from = 1
+    try:
+        assert rel_err(model(tokens), logits.numpy()) < TOL["conservation"]
+        for layer, rec in enumerate(seen):
+            got = latim_jax.contributions(model, tokens, layer)
+            for b in range(B):
+                T, bias, _ = torch_latim.decompose_layer(ref.backbone.layers[layer].mixer, rec["xhat"][b])
+                assert rel_err(got.T[b], T.numpy()) < TOL["T"], (name, layer, b)
+                assert rel_err(got.bias[b], bias.numpy()) < TOL["T"], (name, layer, b)
+            assert rel_err(got.T.sum(2) + got.bias, rec["o"].numpy()) < TOL["conservation"], (name, layer)
+    finally:
+        for block in model.layers:
+            block.fold_from = FOLD_FROM_LENGTH
+
+
+def _direction(ref, h_final, logits, b):
+    target = logits[b].argmax(-1)
+    r = torch.rsqrt(h_final[b].double().pow(2).mean(-1, keepdim=True) + ref.config.layer_norm_epsilon)
+    head = ref.lm_head.weight.detach().double()
+    return ref.backbone.norm_f.weight.detach().double() * head[target] * r
+
+
+def _reference_maps(case, method, mode, aggregation):
+    """Per prompt, per layer: the torch reference's (L, L) map; plus the logit direct terms."""
+    _, ref, _, _, seen, h_final, logits = case
+    maps, direct = [], []
+    for b in range(B):
+        direction = _direction(ref, h_final, logits, b)
+        per_layer = []
+        for layer, rec in enumerate(seen):
+            mixer = ref.backbone.layers[layer].mixer
+            if method == "hidden_attention":
+                per_layer.append(torch_latim.hidden_attention(mixer, rec["xhat"][b], aggregation=aggregation))
+            else:
+                T, _, o = torch_latim.decompose_layer(mixer, rec["xhat"][b], mode=mode)
+                per_layer.append(torch_latim.scores(T, rec["h"][b].double(), o, method, direction))
+        maps.append(per_layer)
+        direct.append((seen[0]["h"][b].double() * direction).sum(-1))
+    return maps, direct
+
+
+CASES = [
+    ("l2", "exact", None),
+    ("l1", "paper", None),
+    ("alti", "exact", None),
+    ("alti", "paper", None),
+    ("logit", "exact", None),
+    ("logit", "paper", None),
+    ("hidden_attention", "exact", "minmax"),
+    ("hidden_attention", "exact", "abs"),
+    ("hidden_attention", "exact", "signed"),
+]
+
+
+@pytest.mark.parametrize("method, mode, aggregation", CASES, ids=[f"{m}-{o}-{a}" for m, o, a in CASES])
+def test_scores_and_rollouts_match_torch_reference(case, method, mode, aggregation):
+    name, _, model, tokens, seen, _, _ = case
+    options = {"aggregation": aggregation} if aggregation else {}
+    result = latim_jax.attribute(model, tokens, method=method, mode=mode, **options)
+    assert result.scores.shape == (B, model.config.n_layers, L, L)
+    maps, direct = _reference_maps(case, method, mode, aggregation)
+    for b in range(B):
+        for layer in range(len(seen)):
+            got = result.scores[b, layer]
+            assert rel_err(got, maps[b][layer].numpy()) < TOL["score"], (name, method, mode, b, layer)
+    if method in ("l2", "l1") or aggregation == "signed":
+        return
+    alti = None
+    if method == "logit":
+        alti = _reference_maps(case, "alti", mode, None)[0]
+    R = np.asarray(result.rollout())
+    for b in range(B):
+        want = torch_latim.rollout(maps[b], method, direct=direct[b], alti=None if alti is None else alti[b])
+        assert rel_err(R[b], want.numpy()) < TOL["rollout"], (name, method, mode, b)

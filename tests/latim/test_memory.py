@@ -1,0 +1,95 @@
+"""Long inputs with bounded memory: the estimate before a call, refusal naming options that fit, top_k,
+bf16 output and streaming to disk (jax only)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import rel_err as rel
+
+import latim_jax
+from latim_jax.latim.memory import InsufficientMemoryError, estimate
+from latim_jax.model.config import MambaConfig
+from latim_jax.model.init import init_params
+
+CFG = MambaConfig(
+    version=2, d_model=16, n_layers=2, vocab_size=32, d_state=4, d_conv=4, head_dim=8, chunk_size=8
+)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return latim_jax.MambaLM(CFG, init_params(CFG, 0))
+
+
+def test_estimate_scales_as_the_output_does(model):
+    full = [estimate(model, 1, L).output for L in (1024, 2048, 4096)]
+    assert full[1] == 4 * full[0] and full[2] == 4 * full[1]  # all rows: O(L^2) per layer
+    last = [estimate(model, 1, L, rows=1).total for L in (4096, 8192)]
+    assert last[1] < 2.2 * last[0]  # one row: O(L)
+    assert estimate(model, 1, 4096, top_k=8).output == 2 * 1 * 4096 * 8 * 8  # values + int32 sources
+    assert estimate(model, 1, 4096, out_dtype="bfloat16").output * 2 == estimate(model, 1, 4096).output
+    assert estimate(model, 1, 4096, stream=True).output == 0
+
+
+def test_refusal_names_options_that_fit_and_they_do(model):
+    t = np.random.default_rng(0).integers(0, 32, (2, 128))
+    need = estimate(model, 2, 128).total
+    limit = need - estimate(model, 2, 128).output // 3  # too little for the full output
+    with pytest.raises(
+        InsufficientMemoryError, match=r"needs about .* MiB.*Options that fit: rows=\[-1\]"
+    ) as err:
+        latim_jax.attribute(model, t, method="l2", memory_limit=limit)
+    message = str(err.value)
+    assert "top_k=32" in message and "stream_to=DIR" in message and "bfloat16" in message
+    latim_jax.attribute(model, t, method="l2", rows=[-1], memory_limit=limit)  # the first option fits
+    latim_jax.attribute(model, t, method="l2", top_k=32, memory_limit=limit)
+    latim_jax.attribute(model, t, method="l2", out_dtype="bfloat16", memory_limit=limit)
+
+
+def test_auto_limit_keeps_a_margin_of_the_free_memory(model, monkeypatch):
+    """The "auto" limit refuses a call whose estimate fits the free memory but not with the margin (the
+    estimate can fall ~10% short of the measured peak); the same bytes given explicitly are accepted."""
+    from latim_jax.latim import memory
+    from latim_jax.latim.memory import AUTO_MARGIN
+
+    t = np.random.default_rng(0).integers(0, 32, (1, 128))
+    need = estimate(model, 1, 128).total
+    free = int(need * (1 + AUTO_MARGIN) / 2)  # between the estimate and estimate x margin
+    monkeypatch.setattr(memory, "available", lambda: free)
+    with pytest.raises(InsufficientMemoryError, match="needs about"):
+        latim_jax.attribute(model, t, method="l2", memory_limit="auto")
+    latim_jax.attribute(model, t, method="l2", memory_limit=free)
+    monkeypatch.setattr(memory, "available", lambda: int(need * AUTO_MARGIN) + 1)
+    latim_jax.attribute(model, t, method="l2", memory_limit="auto")
+
+
+def test_top_k_bf16_and_streaming_equal_the_full_scores(model, tmp_path):
+    t = np.random.default_rng(1).integers(0, 32, (2, 12))
+    mask = np.arange(12)[None, :] >= np.array([[0], [3]])
+    full = latim_jax.attribute(model, t, method="alti", mask=mask)
+    s = np.asarray(full.scores)
+    top = latim_jax.attribute(model, t, method="alti", mask=mask, top_k=4)
+    src = np.asarray(top.extra["sources"])
+    assert top.scores.shape == (2, 2, 12, 4) and top.top_k == 4
+    want = -np.sort(-s, axis=-1)[..., :4]
+    np.testing.assert_allclose(np.where(src >= 0, top.scores, 0), np.where(src >= 0, want, 0), rtol=1e-6)
+    picked = np.take_along_axis(s, np.maximum(src, 0), -1)
+    np.testing.assert_allclose(np.where(src >= 0, picked, 0), np.where(src >= 0, top.scores, 0), rtol=1e-6)
+    assert (src[0, :, 0, 1:] == -1).all() and src[0, 0, 0, 0] == 0  # row 0 has a single source
+    assert (src[1, :, :3] == -1).all()  # padding rows have none
+    with pytest.raises(ValueError, match="top_k"):
+        top.rollout()
+    half = latim_jax.attribute(model, t, method="alti", mask=mask, out_dtype="bfloat16")
+    assert str(half.scores.dtype) == "bfloat16" and rel(np.asarray(half.scores, np.float32), s) < 4e-3
+    out = tmp_path / "streamed"
+    streamed = latim_jax.attribute(model, t, method="alti", mask=mask, stream_to=out)
+    assert isinstance(streamed.scores, np.memmap) and sorted(p.name for p in out.iterdir()) == [
+        "arrays.npz", "meta.json", "scores.npy"
+    ]  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(streamed.scores), s)
+    back = latim_jax.Attribution.load(out)
+    np.testing.assert_array_equal(np.asarray(back.rollout()), np.asarray(full.rollout()))
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]
+    with pytest.raises(FileExistsError, match="not an empty directory"):
+        latim_jax.attribute(model, t, method="alti", stream_to=out)

@@ -1,0 +1,79 @@
+"""Attribution on a device mesh equals the single-device run: 8 simulated CPU devices in a subprocess
+(the device count must be set before jax starts). Data-parallel, model-parallel and row-split runs,
+with impl="xla" (XLA's SPMD partitioner) and impl="pallas" (interpret-mode kernels under shard_map)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent(
+    """
+    import os
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    import jax, numpy as np
+    import latim_jax
+    from latim_jax.model.config import MambaConfig
+    from latim_jax.model.init import init_params
+
+    assert len(jax.devices()) == 8
+    CFG = {
+        # e = 32 channels and 8 heads of 4 (groups 2): both divide every model axis below
+        1: MambaConfig(version=1, d_model=16, n_layers=2, vocab_size=32, d_state=4, d_conv=4, proj_bias=True),
+        2: MambaConfig(version=2, d_model=16, n_layers=2, vocab_size=32, d_state=4, d_conv=3, head_dim=4,
+                       n_groups=2, chunk_size=4),
+    }
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 32, (3, 10))  # 3 prompts: not a multiple of the data axis
+    mask = np.ones((3, 10), bool)
+    mask[1, :3] = False  # one left-padded prompt
+
+    def rel(a, b):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+    # (version, method, mesh (data, model), impl, batch): what each run exercises
+    RUNS = [
+        (2, "alti", (2, 4), "xla", "full"),      # data + model parallel, rows split, GSPMD forward
+        (2, "l2", (2, 4), "pallas", "full"),     # the SSD kernel (groups gathered per head) + fused scores
+        (1, "logit", (1, 8), "pallas", "long"),  # one long prompt: rows over 8 devices, scan channels split
+        (1, "hidden_attention", (8, 1), "xla", "full"),  # data-parallel, batch padded 3 -> 8
+    ]
+    for version, method, shape, impl, batch in RUNS:
+        params = init_params(CFG[version], 1)
+        if batch == "long":
+            t, m = rng.integers(0, 32, (1, 24)), None
+        else:
+            t, m = tokens, mask
+        alone = latim_jax.MambaLM(CFG[version], params)
+        want = latim_jax.attribute(alone, t, method=method, mask=m, impl="xla")
+        model = latim_jax.MambaLM(CFG[version], params)
+        mesh = jax.make_mesh(shape, ("data", "model"))
+        got = latim_jax.attribute(model, t, method=method, mask=m, impl=impl, mesh=mesh)
+        assert got.scores.shape == want.scores.shape, (got.scores.shape, want.scores.shape)
+        err = rel(got.scores, want.scores)
+        assert err < 2e-5, (version, method, shape, impl, err)
+        for key in want.extra:
+            assert rel(got.extra[key], want.extra[key]) < 2e-5, key
+        w = model.layers[0].mixer.in_proj[...]
+        assert len(w.sharding.device_set) == 8
+        if shape[1] > 1:  # model-parallel: each device holds 1/model of in_proj's columns
+            assert w.addressable_shards[0].data.shape[1] == w.shape[1] // shape[1]
+        print(version, method, shape, impl, err, flush=True)
+    # the model forward on a mesh
+    model = latim_jax.MambaLM(CFG[2], init_params(CFG[2], 1))
+    want = np.asarray(model(tokens, mask=mask))
+    got = model(tokens, mask=mask, mesh=jax.make_mesh((2, 4), ("data", "model")))
+    assert rel(np.asarray(got)[mask], want[mask]) < 1e-5
+    print("OK")
+    """
+)
+
+
+def test_attribution_on_a_mesh_equals_one_device():
+    env = dict(os.environ)
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=900, env=env)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    assert "OK" in out.stdout
