@@ -33,11 +33,12 @@ from latim_jax.tasks import evaluate_align as ea
 from latim_jax.tasks import evaluate_needle as en
 
 HERE = Path(__file__).resolve().parent
+OUT = HERE / "results" / "tasks"  # task evaluations, apart from the speed and memory results
 
 
 def _write(stem: str, table: str, report) -> None:
-    write_bytes_atomic(HERE / f"{stem}.md", (table + "\n").encode())
-    write_bytes_atomic(HERE / f"{stem}.json", json.dumps(report, indent=2).encode())
+    write_bytes_atomic(OUT / f"{stem}.md", (table + "\n").encode())
+    write_bytes_atomic(OUT / f"{stem}.json", json.dumps(report, indent=2).encode())
     print(table, "\n", flush=True)
 
 

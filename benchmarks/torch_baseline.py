@@ -16,7 +16,7 @@ Batched einsums/matmuls and in-place tensor ops throughout; no Python loop over 
 layers, conv taps and, for Mamba-1's per-channel decay, the n state entries, which keeps the
 exponential at (b, e, l, l) instead of (b, e, l, l, n)). fp32.
 
-Conventions are the library's (docs/method.md sections 2-5 and 7, latim_jax/decomposition.py, scores.py):
+Conventions are the library's (docs/method.md sections 2-5 and 7, latim_jax/latim/mamba.py, scores.py):
   exact:  a_k[j] = w_k s_{j+k} u_j with s = act(c)/c from the full pre-activation (sigmoid for SiLU),
           u without the in_proj bias (conv bias and in_proj bias belong to no token);
   paper:  a_k[j] = f(w_k u_j + [k=0] b_conv) (the published additive approximation, u with its bias);

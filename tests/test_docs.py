@@ -15,6 +15,7 @@ from latim_jax.io.loading import ASSETS, SHIPPED
 
 ROOT = Path(__file__).resolve().parents[1]
 METHOD = ROOT / "docs" / "method.md"
+GUIDE = ROOT / "docs" / "guide.md"
 TEXT_SUFFIXES = {".py", ".md", ".ipynb", ".toml", ".json", ".txt", ".in"}
 PROJECT_DIRS = (
     "latim_jax",
@@ -73,16 +74,17 @@ def test_every_method_md_citation_names_an_existing_section():
     assert [c for c in cited if c[1] not in sections] == []
 
 
-def test_readme_documents_masks_vocabularies_and_exit_codes():
+def test_guide_documents_masks_vocabularies_and_exit_codes():
+    guide = GUIDE.read_text()
+    assert "## Padding and masks" in guide and "## Shipped models and their vocabularies" in guide
+    assert f"**{EXIT_OK}** success" in guide and f"**{EXIT_FAILED}** the check" in guide
+    assert f"**{EXIT_USAGE}** usage or input error" in guide
     readme = (ROOT / "README.md").read_text()
-    assert "### Padding and masks" in readme and "### Shipped models and their vocabularies" in readme
-    assert f"**{EXIT_OK}** success" in readme and f"**{EXIT_FAILED}** the check" in readme
-    assert f"**{EXIT_USAGE}** usage or input error" in readme
-    assert "docs/method.md" in readme
+    assert "docs/method.md" in readme and "docs/guide.md" in readme and "docs/architecture.md" in readme
 
 
 @pytest.mark.parametrize("name", SHIPPED)
-def test_readme_vocabulary_table_matches_the_shipped_models(name):
+def test_guide_vocabulary_table_matches_the_shipped_models(name):
     """The vocabulary column lists id ranges that tile the whole vocabulary ("1-31 = `t1` .. `t31`",
     "3-67 = source words (`der`, ..., `·`)"); each range's first and last quoted word are the words at
     those ids, and every quoted word lies inside its range."""
@@ -90,7 +92,7 @@ def test_readme_vocabulary_table_matches_the_shipped_models(name):
 
     task = json.loads((ASSETS / name / "task.json").read_text())
     words = tasks.vocabulary(task)
-    row = next(line for line in (ROOT / "README.md").read_text().splitlines() if f"`{name}`" in line)
+    row = next(line for line in GUIDE.read_text().splitlines() if f"`{name}`" in line and "|" in line)
     cell = row.strip().strip("|").split("|")[2]
     parts = re.split(r"(?:^|,)\s*(\d+)(?:-(\d+))? = ", cell)[1:]
     triples = [parts[k : k + 3] for k in range(0, len(parts), 3)]
@@ -104,12 +106,59 @@ def test_readme_vocabulary_table_matches_the_shipped_models(name):
 
 def test_readme_first_command_and_vocabulary_examples_run(tmp_path, monkeypatch, capsys):
     readme = (ROOT / "README.md").read_text()
+    guide = GUIDE.read_text()
     first = re.search(r"```bash\n(.*?)\n```", readme, re.S).group(1)
     command = first.split("&& latim-jax ", 1)[1]
     monkeypatch.chdir(tmp_path)
     assert main(shlex.split(command)) == 0
     assert {"map.npz", "map.png", "map.html"} <= {p.name for p in tmp_path.iterdir()}
-    example = re.search(r"^latim-jax (generate --model mqar-mamba2 .*?)\s+# -> \.\.\. (\S+)$", readme, re.M)
+    example = re.search(r"^latim-jax (generate --model mqar-mamba2 .*?)\s+# -> \.\.\. (\S+)$", guide, re.M)
     capsys.readouterr()
     assert main(shlex.split(example.group(1))) == 0
     assert capsys.readouterr().out.split()[-1] == example.group(2)
+
+
+def documents():
+    """(relative path, text) of the README, BENCHMARKS.md and every Markdown file under docs/."""
+    paths = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    return [(p.relative_to(ROOT).as_posix(), p.read_text()) for p in paths]
+
+
+def test_every_document_link_resolves():
+    """Every relative Markdown link of the README, BENCHMARKS.md and docs/ names an existing file (and,
+    with #anchor, an existing heading of it); links to the web are left alone."""
+    checked = []
+    for rel, text in documents():
+        base = (ROOT / rel).parent
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (base / path).resolve() if path else ROOT / rel
+            assert dest.exists(), (rel, target)
+            if anchor:
+                headings = re.findall(r"^#+ (.+)$", dest.read_text(), re.M)
+                slugs = {re.sub(r"[^a-z0-9 -]", "", h.lower()).replace(" ", "-") for h in headings}
+                assert anchor in slugs, (rel, target)
+            checked.append(target)
+    assert len(checked) >= 20
+
+
+def test_readme_python_runs_as_written(tmp_path, monkeypatch):
+    """Every python block of the README runs, top to bottom, in one namespace (its own asserts
+    included: conservation, the saved file read back)."""
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)\n```", readme, re.S)
+    assert blocks
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), namespace)
+    assert (tmp_path / "scores.npz").is_file()
+
+
+def test_readme_is_short():
+    """The README is the entry point (set-up, a tour, the headline results, links); the guide, the
+    experiments and the notes live in docs/ and benchmarks/."""
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 200
+

@@ -1,2 +1,3 @@
 """The shipped task models (copy, MQAR, align, needle; Mamba-1 and Mamba-2), one directory each in
-the saved format. ``latim_jax.load("copy-mamba2")`` resolves these names (``latim_jax.loading.SHIPPED``)."""
+the saved format. ``latim_jax.load("copy-mamba2")`` resolves these names
+(``latim_jax.io.loading.SHIPPED``)."""

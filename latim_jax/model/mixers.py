@@ -123,7 +123,7 @@ class _Mixer(nnx.Module):
 
     def _projection(self, x, projected):
         """in_proj's output: ``projected`` when given (the caller computed it, e.g. a Block with its
-        norm folded in: :func:`latim_jax.layers.normed_linear`), else that of x."""
+        norm folded in: :func:`latim_jax.model.layers.normed_linear`), else that of x."""
         if (x is None) == (projected is None):
             raise ValueError("pass exactly one of x (the normalised input) and projected (in_proj(x))")
         return self.in_projection(x) if projected is None else projected

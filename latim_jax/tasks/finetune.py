@@ -118,7 +118,8 @@ def finetune(
 
 def attribution_quality(model, cfg: FinetuneConfig, *, task: dict | None = None, seed: int = 10_000) -> dict:
     """Accuracy and the attribution AUC of ``cfg.method`` (exact mode) on held-out sequences: the
-    evaluation of latim_jax.evaluate restricted to that method, at the fine-tuned layer and aggregate."""
+    evaluation of latim_jax.tasks.evaluate restricted to that method, at the fine-tuned layer and
+    aggregate."""
     name = f"LaTIM {cfg.method} (exact)"
     methods = [(name, cfg.method, "exact", {})]
     report = evaluate.evaluate(

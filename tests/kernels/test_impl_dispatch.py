@@ -35,7 +35,7 @@ def test_pallas_equals_xla_for_every_method_and_mode(name):
     assert rel(model(tokens, impl="pallas"), model(tokens, impl="xla")) < TOL["logits"]
     assert rel(model(tokens, mask=mask, impl="pallas"), model(tokens, mask=mask, impl="xla")) < TOL["logits"]
     # every fused-score method in exact mode; paper mode only changes the per-source factors the kernel
-    # reads (tests/test_kernels_scores.py covers both modes at kernel level), so one paper-mode method
+    # reads (tests/kernels/test_kernels_scores.py covers both modes at kernel level), so one paper-mode method
     cases = [(m, "exact") for m in ("l2", "l1", "alti", "logit")] + [
         ("l2", "paper"),
         ("hidden_attention", "exact"),

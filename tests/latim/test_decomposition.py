@@ -1,6 +1,6 @@
-"""LaTIM decomposition and scores against an independent float64 PyTorch implementation (tests/torch_latim.py,
-fed by forward hooks on transformers): two prompts, a length past the Mamba-2 chunk, both modes, every
-score, every hidden-attention aggregation and every rollout."""
+"""LaTIM decomposition and scores against an independent float64 PyTorch implementation
+(tests/latim/torch_latim.py, fed by forward hooks on transformers): two prompts, a length past the
+Mamba-2 chunk, both modes, every score, every hidden-attention aggregation and every rollout."""
 
 from __future__ import annotations
 

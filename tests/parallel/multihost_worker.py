@@ -1,6 +1,6 @@
-"""One process of the two-process jax.distributed test (tests/test_multihost.py): 4 simulated CPU devices
-each, one global mesh of 8 (data 2 x model 4); attribution on the mesh must equal this process's own
-single-device run. Usage: python multihost_worker.py PROCESS_ID PORT."""
+"""One process of the two-process jax.distributed test (tests/parallel/test_multihost.py): 4 simulated
+CPU devices each, one global mesh of 8 (data 2 x model 4); attribution on the mesh must equal this
+process's own single-device run. Usage: python multihost_worker.py PROCESS_ID PORT."""
 
 import os
 import sys

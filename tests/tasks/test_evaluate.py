@@ -46,7 +46,7 @@ def test_report_structure_and_random_baseline(task):
         row = report["rows"][name]
         assert len(row["layers"]) == 2 and row["best"] == row["layers"][row["best_layer"]]
         # evaluate's batches of 5 equal one batch of 12 scored directly (padding masked, each prompt's
-        # rows equal the prompt alone: tests/test_padding.py)
+        # rows equal the prompt alone: tests/model/test_padding.py)
         maps = np.asarray(latim_jax.attribute(model, batch.tokens, method, mode, mask=real).scores)
         for layer in range(2):
             want = metrics.summarize(*metrics.gold_rows(maps[:, layer], batch.gold))

@@ -1,6 +1,6 @@
 """The shipped translation and needle models: they load with their task, reach their accuracy floors,
 and LaTIM's AER / AUC floors hold on held-out data (floors = measured values minus a margin; the full
-measurements are in benchmarks/align_eval_*.md and benchmarks/needle_eval_*.md)."""
+measurements are in benchmarks/results/tasks/align_eval_*.md and needle_eval_*.md)."""
 
 from __future__ import annotations
 
