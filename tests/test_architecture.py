@@ -115,3 +115,13 @@ def test_the_graph_is_read_right():
     assert "latim_jax.latim.mamba" in GRAPH["latim_jax.latim.kinds"]  # `from latim_jax.latim import mamba`
     assert floor("latim_jax.latim.scores") > floor("latim_jax.kernels.decay")
     assert floor("latim_jax.cli.main") > floor("latim_jax.tasks.evaluate")
+
+
+def test_pyproject_installs_every_package():
+    """A non-editable install ships exactly the packages pyproject names: every folder of the library
+    must be among them (an editable install would hide a missing one)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    packages = {name for name, path in MODULES.items() if path.name == "__init__.py"}
+    assert packages == listed, sorted(packages ^ listed)

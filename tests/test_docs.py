@@ -161,4 +161,3 @@ def test_readme_is_short():
     """The README is the entry point (set-up, a tour, the headline results, links); the guide, the
     experiments and the notes live in docs/ and benchmarks/."""
     assert len((ROOT / "README.md").read_text().splitlines()) <= 200
-

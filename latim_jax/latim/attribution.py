@@ -71,7 +71,7 @@ def contributions(
 @jit_model_fn(static_argnames=("mode", "ctx"))
 def _layer_contributions(block, h, mask, *, mode, ctx):
     f = factors(block, h, mask, ctx, mode)
-    T = full_contributions(f) * (mask[:, :, None, None] & mask[:, None, :, None])
+    T = full_contributions(f) * kept_pairs(jnp.arange(f.length), f.length, mask)[..., None]
     return Contributions(T=T, bias=f.bias, output=f.output)
 
 

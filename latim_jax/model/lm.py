@@ -42,12 +42,6 @@ class Inputs:
     length: int
     given_mask: bool = True
 
-    def cut(self, x, axis: int = 0):
-        """x with the mesh's extra prompts (axis ``axis``) and the bucket's extra positions (the next
-        axis) removed: the caller's (b, l)."""
-        index = [slice(None)] * axis + [slice(0, self.batch), slice(0, self.length)]
-        return x[tuple(index)]
-
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)

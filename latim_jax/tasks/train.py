@@ -258,7 +258,7 @@ def _eval_step(model: MambaLM, tokens, targets, mask):
     return jnp.sum(ce * mask), masked_correct(logits, targets, mask)
 
 
-def evaluate(model: MambaLM, batch: Batch, chunk: int = 128) -> dict[str, float]:
+def held_out_scores(model: MambaLM, batch: Batch, chunk: int = 128) -> dict[str, float]:
     """Held-out scores on ``batch``: masked loss, token accuracy (exact match of the argmax prediction
     per scored row) and sequence accuracy (every scored row of a sequence right)."""
     loss_sum, correct = 0.0, []
@@ -316,7 +316,7 @@ def train(
             ev = {
                 "step": step,
                 "train_loss": losses[-1],
-                **evaluate(model, eval_batch, tc.eval_chunk),
+                **held_out_scores(model, eval_batch, tc.eval_chunk),
                 "wall_time_s": time.perf_counter() - start,
                 "cpu_time_s": time.process_time() - cpu_start,
             }
