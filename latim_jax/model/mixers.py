@@ -149,12 +149,17 @@ class Mamba1Mixer(_Mixer):
         e = self.config.d_inner
         return xz[..., :e], xz[..., e:]
 
-    def ssm_params(self, v):
-        """v (b, l, e) -> Delta (b, l, e), B, C (b, l, n), all fp32."""
+    def ssm_params(self, v, mask):
+        """v (b, l, e) -> Delta (b, l, e), B, C (b, l, n), all fp32; Delta = 0 where ``mask`` ((b, l) or
+        (b,) bool) is False (see :func:`_skip_padding`): its pre-activation is set to -inf there, and
+        softplus(-inf) = 0 exactly (with zero gradient). Masked after the softplus instead (a product
+        or a select), XLA:CPU's program for one 130m layer's last row at L = 16384 needed 1.69 instead of
+        1.51 GiB of temporaries: one more (b, l, e) buffer."""
         c = self.config
         dbc = linear(v, self.x_proj[...])
         dt_low, B, C = jnp.split(dbc, [c.dt_rank, c.dt_rank + c.d_state], axis=-1)
-        delta = jax.nn.softplus(linear(dt_low, self.dt_proj[...]) + self.dt_bias[...].astype(f32))
+        pre = linear(dt_low, self.dt_proj[...]) + self.dt_bias[...].astype(f32)
+        delta = jax.nn.softplus(jnp.where(mask[..., None], pre, -jnp.inf))
         return delta, B, C
 
     def intermediates(
@@ -168,8 +173,7 @@ class Mamba1Mixer(_Mixer):
         u = self.conv_input(u, mask)
         c = causal_conv(u, self.conv_w[...], self._get("conv_b"))
         v = _value_activation(self.config.activation, c, hold_fixed)
-        delta, B, C = _held(self.ssm_params(v), hold_fixed)
-        delta = _skip_padding(delta, mask)
+        delta, B, C = _held(self.ssm_params(v, mask), hold_fixed)  # Delta = 0 at padding
         y, _ = dispatch.selective_scan(v, delta, self.A, B, C, self.D[...], ctx=ctx)
         (G,) = _held((jax.nn.silu(z),), hold_fixed)
         return Intermediates(u=u, c=c, delta=delta, B=B, C=C, y=y, G=G)
@@ -190,8 +194,7 @@ class Mamba1Mixer(_Mixer):
         u = self.conv_input(u, valid)
         c_t, conv_cache = causal_conv_step(conv_cache, u, self.conv_w[...], self._get("conv_b"))
         v = activation(self.config.activation)(c_t)
-        delta, B, C = self.ssm_params(v)
-        delta = _skip_padding(delta, valid)
+        delta, B, C = self.ssm_params(v, valid)
         y, state = dispatch.selective_scan_step(state, v, delta, self.A, B, C, self.D[...])
         o = linear(y * jax.nn.silu(z), self.out_proj[...], self._get("out_proj_b"))
         return o, (conv_cache, state)
