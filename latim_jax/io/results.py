@@ -37,6 +37,7 @@ class Attribution:
     fewer sources than top_k, with score 0).
     precision: the score path's projection as computed, "float32" or "bfloat16" (bf16 operands, fp32
     accumulation; see :func:`latim_jax.attribute`).
+    n_layers: the model's depth (``layers`` may be a subset; None in files written before the field).
     """
 
     scores: jax.Array
@@ -51,6 +52,7 @@ class Attribution:
     aggregation: str | None = dataclasses.field(default=None, metadata=dict(static=True))
     top_k: int | None = dataclasses.field(default=None, metadata=dict(static=True))
     precision: str = dataclasses.field(default="float32", metadata=dict(static=True))
+    n_layers: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     def check_finite(self) -> None:
         """Raise FloatingPointError naming the layers whose scores hold NaN/inf (concrete inputs only;
@@ -79,9 +81,12 @@ class Attribution:
                 "rollout needs non-negative maps: the 'signed' hidden-attention aggregation has negative "
                 "entries; use aggregation='minmax' (default) or 'abs'"
             )
-        if self.rows is not None or self.layers != tuple(range(len(self.layers))):
+        depth = len(self.layers) if self.n_layers is None else self.n_layers
+        if self.rows is not None or self.layers != tuple(range(depth)):
             raise ValueError(
-                "rollout needs every layer and every row (call attribute with layers=None, rows=None)"
+                f"rollout needs every layer and every row, and this result holds layers {list(self.layers)} "
+                f"of {depth}{'' if self.rows is None else f' and rows {list(self.rows)}'} (call attribute "
+                "with layers=None, rows=None; per_layer=True gives the rollout up to each layer)"
             )
         L = self.scores.shape[-1]
         eye = jnp.eye(L, dtype=jnp.float32)
@@ -132,6 +137,7 @@ class Attribution:
             "aggregation": self.aggregation,
             "top_k": self.top_k,
             "precision": self.precision,
+            "n_layers": self.n_layers,
             "has_tokens": self.tokens is not None,
             "has_mask": self.mask is not None,
         }
@@ -190,4 +196,5 @@ class Attribution:
             aggregation=meta.get("aggregation"),
             top_k=meta.get("top_k"),
             precision=meta.get("precision", "float32"),  # files written before the field: fp32
+            n_layers=meta.get("n_layers"),
         )

@@ -132,7 +132,9 @@ def attribute(
       method: "l2", "l1", "alti", "logit" (LaTIM scores), "hidden_attention" or "grad_input" (baselines).
       mode: "exact" (contributions sum to the layer output) or "paper" (the published approximation).
       layers: layer indices, or one int (default: all).
-      rows: target positions to score, or one int (default: all L; negative counts from the end); a
+      rows: target positions to score, or one int (default: all L; negative counts back from the last
+        real token: -1 is each prompt's last token, and with a mask whose prompts end at different
+        positions a negative row is refused, since one index cannot name each one's end); a
         subset costs O(L) per row, except Mamba-1 hidden_attention with aggregation "minmax", whose
         range needs the whole map (a warning says so from L = 1024 on; "signed" ranks alike).
       mask: optional (B, L) bool of valid positions, one contiguous run per row (left and/or right
@@ -195,7 +197,8 @@ def attribute(
     x = model.prepare_inputs(tokens, mask, inputs_embeds, ctx, bucket=bucket)
     req = request(
         model, job, x.length, is_traced(x.h), layers=layers, rows=rows, top_k=top_k, out_dtype=out_dtype,
-        stream_to=stream_to, progress=progress, rollout_maps=rollout_maps,
+        stream_to=stream_to, progress=progress, rollout_maps=rollout_maps, mask=x.mask[: x.batch],
+        given_mask=x.given_mask,
     )  # fmt: skip
     if memory_limit is not None and not is_traced(x.h):
         limit = int(memory.available() / memory.AUTO_MARGIN) if memory_limit == "auto" else int(memory_limit)
@@ -228,7 +231,12 @@ def _run(model, x, req: Request, ctx: Context, targets) -> Attribution:
             direction = _logit_direction(model, streams[-1], targets, hold_fixed=job.hold_fixed)
     shape = (x.batch, len(req.layers), len(row_idx), n_real if req.top_k is None else req.top_k)
     sink = StreamWriter(req.stream_to, shape, req.out_dtype) if req.stream_to is not None else None
-    show = req.progress if req.progress is not None else (x.h.shape[1] >= 1024 and len(req.layers) > 1)
+    # None: a bar when stderr is a terminal and quiet mode is off (io.progress decides), for long work
+    show = (
+        req.progress
+        if req.progress is not None
+        else (None if x.h.shape[1] >= 1024 and len(req.layers) > 1 else False)
+    )
     top_mask = keep(x.mask)[:, :n_real]  # the caller's length
     done = {}  # layer -> (scores, extras), computed in increasing layer order
     h, at = x.h, 0  # the stream entering layer `at` (single pass)
@@ -302,6 +310,7 @@ def _result(model, x, req, done, extra, streams, direction, logit, row_idx, keep
         aggregation=job.aggregation if job.method == "hidden_attention" else None,
         top_k=req.top_k,
         precision=output_precision(job),
+        n_layers=model.config.n_layers,
     )
 
 

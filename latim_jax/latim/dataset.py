@@ -9,6 +9,9 @@ a repeated id, too long, ids outside the vocabulary) is reported with its line n
 Output directory:
     run.json                  the run's settings (model, method, mode, layers, rows, ...), written first;
                               a rerun with other settings into the same directory is refused
+    prompts.json              the input: every prompt's id and a hash of its tokens, in input order; a
+                              rerun with another input (a prompt added, dropped or changed) is refused,
+                              so two inputs never mix in one directory
     shard-P-NNNNNN.npz        one batch of prompts, written atomically (never a half file), holding per
                               prompt its scores (n_layers, R, L_i) at its own length L_i, its tokens and
                               the extras; its JSON index lists the ids it holds
@@ -20,14 +23,18 @@ Batches: prompts sorted by length, ``batch_size`` per batch, each padded on the 
 every prompt's scores equal the prompt alone) to its length rounded up to a bucket
 (:func:`latim_jax.model.inputs.bucket_length`), so a run compiles a handful of shapes, not one per length.
 
-Reading back: :func:`open_results` (a lazy mapping id -> :class:`~latim_jax.io.results.Attribution`).
+Reading back: :func:`open_results` (a lazy mapping id -> :class:`~latim_jax.io.results.Attribution`,
+in input order; an interrupted run is reported with a warning, and ``Results.complete`` /
+``Results.missing`` say what is missing).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import json
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -43,7 +50,9 @@ from latim_jax.latim.scores import PRECISIONS
 from latim_jax.model.inputs import bucket_length
 
 RUN_FILE = "run.json"
+PROMPTS_FILE = "prompts.json"
 FORMAT = "latim-jax-dataset/1"
+PROMPTS_FORMAT = "latim-jax-prompts/1"
 
 
 class DatasetError(ValueError):
@@ -57,6 +66,11 @@ class Prompt:
     id: str
     tokens: tuple[int, ...]
     line: int
+
+    @property
+    def digest(self) -> str:
+        """A hash of the token ids (what identifies the prompt's content across runs)."""
+        return hashlib.sha256(np.asarray(self.tokens, np.int64).tobytes()).hexdigest()[:24]
 
 
 def read_prompts(
@@ -176,11 +190,12 @@ def run_settings(model, *, method, mode, layers, rows, aggregation, precision="f
     return settings
 
 
-def prepare_output(out_dir, settings: dict) -> set[str]:
+def prepare_output(out_dir, settings: dict, prompts: list[Prompt] | None = None) -> set[str]:
     """Create ``out_dir`` (or reuse it for the same run) and return the ids already done.
 
-    Refuses a directory holding another run's results, or files it does not recognise. Leftover
-    temporary files of an interrupted write are removed."""
+    Refuses a directory holding another run's results (other settings, or, when ``prompts`` are given,
+    another input: :data:`PROMPTS_FILE`), or files it does not recognise. Leftover temporary files of
+    an interrupted write are removed."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise DatasetError(f"{out}: exists and is not a directory")
@@ -205,7 +220,50 @@ def prepare_output(out_dir, settings: dict) -> set[str]:
         write_bytes_atomic(run_file, (json.dumps(settings, indent=2, sort_keys=True) + "\n").encode())
     for leftover in out.glob(".tmp-*"):
         leftover.unlink(missing_ok=True)
-    return {pid for shard in _shards(out) for pid in _shard_index(shard)["ids"]}
+    done = {pid for shard in _shards(out) for pid in _shard_index(shard)["ids"]}
+    if prompts is not None:
+        _check_input(out, prompts, done)
+    return done
+
+
+def _manifest(prompts: list[Prompt]) -> dict:
+    return {"format": PROMPTS_FORMAT, "total": len(prompts), "prompts": [[p.id, p.digest] for p in prompts]}
+
+
+def _check_input(out: Path, prompts: list[Prompt], done: set[str]) -> None:
+    """Refuse an input other than the one the directory's results came from (the recorded
+    :data:`PROMPTS_FILE`; for a directory written before it existed, the tokens stored in its shards);
+    record it when absent."""
+    path = out / PROMPTS_FILE
+    current = {p.id: p.digest for p in prompts}
+    if path.exists():
+        try:
+            recorded = dict(map(tuple, json.loads(path.read_text())["prompts"]))
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise DatasetError(f"{path}: unreadable ({err})") from err
+    else:  # the run's results so far, from the tokens its shards hold
+        recorded = {}
+        for shard in _shards(out):
+            with np.load(shard, allow_pickle=False) as z:
+                for b, pid in enumerate(_shard_index(shard)["ids"]):
+                    tokens = tuple(int(t) for t in z[f"p{b}/tokens"])
+                    recorded[pid] = Prompt(pid, tokens, 0).digest
+    partial = not path.exists()  # only the done prompts are known: others may be new
+    changed = sorted(pid for pid in current.keys() & recorded.keys() if current[pid] != recorded[pid])
+    gone = sorted(recorded.keys() - current.keys())
+    new = [] if partial else sorted(current.keys() - recorded.keys())
+    if changed or gone or new:
+        parts = [
+            f"{len(ids)} {what} (ids {ids[:5]}{' ...' if len(ids) > 5 else ''})"
+            for ids, what in ((changed, "with other tokens"), (gone, "not in this input"), (new, "new"))
+            if ids
+        ]
+        raise DatasetError(
+            f"{out} holds results of another input than this one: prompts {'; '.join(parts)}. Results of "
+            "two inputs are never mixed: use another --out, or the same input to resume"
+        )
+    if partial:
+        write_bytes_atomic(path, (json.dumps(_manifest(prompts)) + "\n").encode())
 
 
 def write_shard(out_dir, process: int, number: int, prompts: list[Prompt], result: Attribution) -> Path:
@@ -219,6 +277,7 @@ def write_shard(out_dir, process: int, number: int, prompts: list[Prompt], resul
         "aggregation": result.aggregation,
         "model": result.model,
         "precision": result.precision,
+        "n_layers": result.n_layers,
     }
     arrays = {}
     scores = np.asarray(result.scores)
@@ -274,10 +333,29 @@ class Results(Mapping):
         if not (self.path / RUN_FILE).is_file():
             raise DatasetError(f"{self.path}: not a latim-jax dataset run (no {RUN_FILE})")
         self.settings = json.loads((self.path / RUN_FILE).read_text())
-        self._where: dict[str, tuple[Path, int]] = {}
+        where: dict[str, tuple[Path, int]] = {}
         for shard in _shards(self.path):
             for b, pid in enumerate(_shard_index(shard)["ids"]):
-                self._where[pid] = (shard, b)
+                where[pid] = (shard, b)
+        manifest = self.path / PROMPTS_FILE
+        if manifest.is_file():
+            try:
+                order = [pid for pid, _ in json.loads(manifest.read_text())["prompts"]]
+            except (OSError, ValueError, KeyError, TypeError) as err:
+                raise DatasetError(f"{manifest}: unreadable ({err})") from err
+        else:  # a run written before the file existed: its extent is unknown
+            order = None
+        self.total: int | None = None if order is None else len(order)
+        self.missing: list[str] = [] if order is None else [pid for pid in order if pid not in where]
+        ordered = [] if order is None else [pid for pid in order if pid in where]
+        ordered += sorted(where.keys() - set(ordered), key=lambda pid: where[pid])  # in no input
+        self._where = {pid: where[pid] for pid in ordered}
+
+    @property
+    def complete(self) -> bool | None:
+        """Whether every prompt of the input has its result (None for a run written before the input
+        was recorded)."""
+        return None if self.total is None else not self.missing
 
     def __getitem__(self, pid) -> Attribution:
         shard, b = self._where[str(pid)]
@@ -300,9 +378,11 @@ class Results(Mapping):
                 model=index["model"],
                 aggregation=index["aggregation"],
                 precision=index.get("precision", "float32"),  # shards written before the field: fp32
+                n_layers=index.get("n_layers"),
             )
 
     def __iter__(self) -> Iterator[str]:
+        """Prompt ids in input order (those attributed so far)."""
         return iter(self._where)
 
     def __len__(self) -> int:
@@ -311,8 +391,19 @@ class Results(Mapping):
 
 def open_results(out_dir) -> Results:
     """The results of ``latim-jax attribute-dataset`` (or :func:`attribute_dataset`) in ``out_dir``:
-    a lazy mapping from prompt id (a string) to a one-prompt :class:`Attribution`."""
-    return Results(out_dir)
+    a lazy mapping from prompt id (a string) to a one-prompt :class:`Attribution`, in input order.
+
+    An interrupted run opens with a warning naming how many prompts are missing (``Results.missing``;
+    rerun the same command to finish it)."""
+    results = Results(out_dir)
+    if results.missing:
+        warnings.warn(
+            f"{results.path}: an incomplete run: {len(results)} of {results.total} prompts attributed "
+            f"({len(results.missing)} missing, e.g. ids {results.missing[:3]}); rerun the same command to "
+            "finish it",
+            stacklevel=2,
+        )
+    return results
 
 
 def attribute_dataset(
@@ -341,7 +432,7 @@ def attribute_dataset(
         raise DatasetError(f"precision must be one of {PRECISIONS}, found {precision!r}")
     settings = run_settings(model, method=method, mode=mode, layers=layers, rows=rows,
                             aggregation=aggregation, precision=precision)  # fmt: skip
-    done = prepare_output(out_dir, settings)
+    done = prepare_output(out_dir, settings, prompts)
     mine = [p for k, p in enumerate(prompts) if k % jax.process_count() == jax.process_index()]
     todo = [p for p in mine if p.id not in done]
     batches = make_batches(todo, batch_size)

@@ -18,7 +18,7 @@ import numpy as np
 from latim_jax.kernels.block_sizes import Blocks
 from latim_jax.latim.kinds import check_mode
 from latim_jax.latim.scores import AGGREGATIONS, LATIM_METHODS, METHODS, PRECISIONS
-from latim_jax.model.inputs import check_layers, check_rows, is_traced
+from latim_jax.model.inputs import check_layers, check_rows, is_traced, real_end
 
 OUT_DTYPES = ("float32", "bfloat16", "float16")
 MINMAX_SUBSET_WARN_LENGTH = 1024  # from this length on, a Mamba-1 minmax row subset is warned about
@@ -89,15 +89,17 @@ def layer_job(
 
 def request(
     model, job: LayerJob, length: int, traced: bool, *, layers, rows, top_k, out_dtype, stream_to, progress,
-    rollout_maps,
+    rollout_maps, mask=None, given_mask: bool = False,
 ) -> Request:  # fmt: skip
     """The validated :class:`Request` of a call on prompts of ``length`` positions (``traced``: the
-    inputs are abstract, under a jax transformation)."""
+    inputs are abstract, under a jax transformation; ``mask`` the call's valid positions and
+    ``given_mask`` whether the caller passed them: negative rows count back from the real tokens'
+    end, :func:`latim_jax.model.inputs.real_end`)."""
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, found {out_dtype!r}")
     n = model.config.n_layers
     layer_list = check_layers(layers, n)
-    row_list = check_rows(rows, length)
+    row_list = check_rows(rows, length, real_end(rows, mask, given_mask, length))
     if top_k is not None and (
         isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= length
     ):

@@ -139,19 +139,52 @@ def check_layers(layers, n_layers: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def check_rows(rows, length: int) -> tuple[int, ...] | None:
-    """None (all positions), an int, or ints in [-l, l) -> a non-empty tuple of positions in [0, l)."""
+def check_rows(rows, length: int, end: int | None = None) -> tuple[int, ...] | None:
+    """None (all positions), an int, or ints in [-end, l) -> a non-empty tuple of positions in [0, l).
+
+    A negative row counts back from ``end`` (the position after the prompts' last real token; default
+    ``length``): -1 is the last real token, not a right padding position."""
     if rows is None:
         return None
+    end = length if end is None else end
     items = _as_int_list(rows, "rows")
     out = []
     for r in items:
-        if not -length <= r < length:
-            raise ValueError(f"rows must be ints in [0, {length}) (or negative from the end), found {r}")
-        out.append(r % length)
+        if not -end <= r < length:
+            raise ValueError(
+                f"rows must be ints in [0, {length}) (or in [-{end}, 0): from the end of the real tokens), "
+                f"found {r}"
+            )
+        out.append(r if r >= 0 else end + r)
     if not out:
         raise ValueError("rows must name at least one position")
     return tuple(out)
+
+
+def real_end(rows, mask, given: bool, length: int) -> int | None:
+    """Where negative ``rows`` count back from: the position after every prompt's last real token
+    (None: ``length``, when no row is negative or no mask was given).
+
+    ``mask`` (b, >= length) the call's valid positions (``given``: the caller passed one). Refuses a
+    traced mask (the real end is unknown under a transformation) and prompts whose real tokens end at
+    different positions (one row index cannot name each prompt's last token), naming both ways out."""
+    if rows is None or not given or all(r >= 0 for r in _as_int_list(rows, "rows")):
+        return None
+    if is_traced(mask):
+        raise ValueError(
+            "negative rows count back from each prompt's last real token, which a traced mask hides: "
+            "pass rows counted from the start (0-based positions)"
+        )
+    m = np.asarray(mask)[:, :length]
+    ends = sorted({int(np.flatnonzero(row)[-1]) + 1 for row in m})
+    if len(ends) > 1:
+        raise ValueError(
+            f"negative rows count back from each prompt's last real token, and these prompts' real tokens "
+            f"end at different positions ({[e - 1 for e in ends[:6]]}{' ...' if len(ends) > 6 else ''}): "
+            "pass rows counted from the start, pad the prompts on the left so that they end together, or "
+            "attribute them one at a time (latim-jax attribute-dataset --rows last does)"
+        )
+    return ends[0]
 
 
 def _as_int_list(x, what: str) -> list[int]:

@@ -92,3 +92,29 @@ def test_training_shows_steps_on_a_terminal(monkeypatch, capsys):
     train.train(tc)
     assert "train:" in terminal.getvalue() and "/2 [" in terminal.getvalue()
     assert "step     2" in capsys.readouterr().out  # the log line still reaches stdout
+
+
+def test_long_attribution_follows_the_switch(monkeypatch):
+    """attribute's layer bar from L = 1024 on: on a terminal, and neither under quiet nor into a pipe
+    (it once forced itself on past both)."""
+    import numpy as np
+
+    import latim_jax
+    from latim_jax.model import MambaLM
+    from latim_jax.model.config import MambaConfig
+    from latim_jax.model.init import init_params
+
+    cfg = MambaConfig(version=2, d_model=8, n_layers=2, vocab_size=8, d_state=2, head_dim=4, chunk_size=8)
+    model = MambaLM(cfg, init_params(cfg, 0))
+    tokens = np.zeros((1, 1024), np.int32)
+    terminal = fake_terminal(monkeypatch)
+    latim_jax.attribute(model, tokens, method="l2", rows=[-1])
+    assert "l2 layers" in terminal.getvalue()
+    with progress.quiet():
+        terminal = fake_terminal(monkeypatch)
+        latim_jax.attribute(model, tokens, method="l2", rows=[-1])
+        assert terminal.getvalue() == ""
+    pipe = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", pipe)
+    latim_jax.attribute(model, tokens, method="l2", rows=[-1])
+    assert pipe.getvalue() == ""

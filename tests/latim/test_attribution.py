@@ -88,6 +88,23 @@ def test_logit_rollout_maps_option(name):
         latim_jax.attribute(model, t, method="logit", rollout_maps="no")
 
 
+def test_rollout_of_a_layer_prefix_is_refused(tmp_path):
+    """layers=[0] of a 2-layer model is not a rollout of the model (the logit identity would fail
+    silently): refused, also after a save and load; per_layer=True is the way to each prefix."""
+    model = make("m1")
+    t = tokens()
+    prefix = latim_jax.attribute(model, t, method="alti", layers=[0])
+    assert prefix.n_layers == 2
+    with pytest.raises(ValueError, match=r"holds layers \[0\] of 2"):
+        prefix.rollout()
+    prefix.save(tmp_path / "a.npz")
+    with pytest.raises(ValueError, match=r"holds layers \[0\] of 2"):
+        latim_jax.Attribution.load(tmp_path / "a.npz").rollout()
+    full = latim_jax.attribute(model, t, method="alti")
+    steps = full.rollout(per_layer=True)
+    np.testing.assert_allclose(np.asarray(steps[:, 0]), np.asarray(prefix.scores[:, 0]), rtol=1e-6)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["m1", "m2"])
 def test_hidden_attention_aggregations(name):

@@ -3,12 +3,14 @@ resume after SIGKILL with every prompt exactly once, and open_results (jax only)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -151,3 +153,60 @@ def test_sigkill_then_rerun_gives_every_prompt_once(ckpt, tmp_path):
 def _ids(shard):
     with np.load(shard) as z:
         return json.loads(bytes(z["index"]).decode())["ids"]
+
+
+def test_another_input_into_the_same_directory_is_refused(ckpt, tmp_path, monkeypatch, capsys):
+    """Results of two inputs never mix: an input whose prompts changed, grew or shrank is refused
+    (API and CLI, exit code 2), the same input resumes, and a directory written before the input was
+    recorded is checked against the tokens its shards hold."""
+    from latim_jax.cli import main
+    from latim_jax.latim.dataset import PROMPTS_FILE, attribute_dataset
+
+    model = latim_jax.load(ckpt)
+    monkeypatch.chdir(tmp_path)
+    a = read_prompts(write_lines(tmp_path / "a.txt", ["the cat sat", "a dog"]), vocab_size=16,
+                     tokenize=lambda t: [WORDS.index(w) for w in t.split()])  # fmt: skip
+    b = read_prompts(write_lines(tmp_path / "b.txt", ["the mat", "a cat sat on"]), vocab_size=16,
+                     tokenize=lambda t: [WORDS.index(w) for w in t.split()])  # fmt: skip
+    options = dict(method="l2", progress=False)
+    assert attribute_dataset(model, a, "run", **options)["computed"] == 2
+    with pytest.raises(DatasetError, match=r"another input .* 2 with other tokens \(ids \['1', '2'\]\)"):
+        attribute_dataset(model, b, "run", **options)
+    with pytest.raises(DatasetError, match=r"1 new \(ids \['3'\]\)"):
+        attribute_dataset(model, a + [dataclasses.replace(a[0], id="3")], "run", **options)
+    with pytest.raises(DatasetError, match=r"1 not in this input \(ids \['2'\]\)"):
+        attribute_dataset(model, a[:1], "run", **options)
+    assert attribute_dataset(model, a, "run", **options)["done_before"] == 2  # the same input resumes
+    argv = ["attribute-dataset", "--model", str(ckpt), "--input", "b.txt", "--out", "run", "--quiet"]
+    assert main(argv + ["--method", "l2"]) == 2
+    assert "holds results of another input" in capsys.readouterr().err
+    # a run written before prompts.json existed: the shards' tokens stand for the input
+    (tmp_path / "run" / PROMPTS_FILE).unlink()
+    with pytest.raises(DatasetError, match="2 with other tokens"):
+        attribute_dataset(model, b, "run", **options)
+    assert attribute_dataset(model, a, "run", **options)["done_before"] == 2
+    assert (tmp_path / "run" / PROMPTS_FILE).is_file()  # recorded from now on
+    np.testing.assert_array_equal(open_results("run")["1"].tokens[0], a[0].tokens)
+
+
+def test_an_interrupted_run_warns_and_reads_in_input_order(ckpt, tmp_path):
+    """open_results of a run that stopped early warns and names what is missing; results iterate in
+    the input's order (the run computes them by length)."""
+    from latim_jax.latim.dataset import Prompt, attribute_dataset
+
+    model = latim_jax.load(ckpt)
+    lengths = [9, 2, 5, 3]
+    prompts = [Prompt(f"p{k}", tuple(range(1, n + 1)), k + 1) for k, n in enumerate(lengths)]
+    out = tmp_path / "run"
+    attribute_dataset(model, prompts, out, method="l2", batch_size=1, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a complete run opens silently
+        results = open_results(out)
+    assert list(results) == ["p0", "p1", "p2", "p3"] and results.complete and results.total == 4
+    longest = sorted(out.glob("shard-*.npz"))[-1]  # batches run by length: the last holds p0
+    longest.unlink()  # as if the run had been killed before its last batch
+    with pytest.warns(UserWarning, match=r"incomplete run: 3 of 4 prompts .*\['p0'\].*rerun the same"):
+        results = open_results(out)
+    assert list(results) == ["p1", "p2", "p3"] and results.missing == ["p0"] and not results.complete
+    counts = attribute_dataset(model, prompts, out, method="l2", batch_size=1, progress=False)
+    assert counts["computed"] == 1 and open_results(out).complete

@@ -193,3 +193,27 @@ def test_masking_is_the_only_difference_a_pad_token_makes():
     a = np.asarray(latim_jax.attribute(mm, tokens, method="l2", mask=mask).scores)
     b = np.asarray(latim_jax.attribute(mm, other, method="l2", mask=mask).scores)
     np.testing.assert_array_equal(a, b)
+
+
+def test_negative_rows_count_back_from_the_real_tokens(case):
+    """rows=[-1] is each prompt's last real token (not a pad position) whatever side the padding is on;
+    prompts that end at different positions, and a traced mask, are refused rather than guessed."""
+    _, m, prompts, tokens, mask, starts, which = case
+    alone = latim_jax.attribute(m, prompts[:1], method="l2", rows=[-1, -3])
+    right = latim_jax.attribute(m, tokens[:1], method="l2", rows=[-1, -3], mask=mask[:1])
+    assert right.rows == (N - 1, N - 3)
+    assert rel(right.scores[..., :N], alone.scores) < TOL["fp32"] and float(abs(right.scores).sum()) > 0
+    left = latim_jax.attribute(m, tokens[1:2], method="l2", rows=[-1], mask=mask[1:2])  # ends at L - 1
+    assert left.rows == (L - 1,)
+    with pytest.raises(ValueError, match=r"end at different positions \(\[5, 7, 10\]\)"):
+        latim_jax.attribute(m, tokens, method="l2", rows=[-1], mask=mask)
+    with pytest.raises(ValueError, match=r"in \[-6, 0\): from the end of the real tokens"):
+        latim_jax.attribute(m, tokens[:1], method="l2", rows=[-7], mask=mask[:1])
+    same = latim_jax.attribute(m, tokens, method="l2", rows=[N - 1], mask=mask)  # from the start: fine
+    assert same.rows == (N - 1,)
+
+    def traced(t, k):
+        return latim_jax.attribute(m, t, method="l2", rows=[-1], mask=k).scores
+
+    with pytest.raises(ValueError, match="traced mask"):
+        jax.jit(traced)(jnp.asarray(tokens[:1]), jnp.asarray(mask[:1]))
