@@ -189,7 +189,8 @@ def attribute(
 
     Returns an :class:`Attribution` whose ``scores`` are (B, n_layers, R, L) (or top_k) in
     ``out_dtype``, exactly 0 above the diagonal. Pure JAX: works under ``jax.jit``, ``jax.vmap`` and
-    ``jax.grad`` (value checks, the memory check and streaming need concrete inputs).
+    ``jax.grad`` (value checks, the memory check and streaming need concrete inputs: under a
+    transformation a prompt with an id outside the vocabulary or a mask with a hole gets NaN scores).
     """
     job = layer_job(method=method, mode=mode, aggregation=aggregation, precision=precision, blocks=blocks,
                     hold_fixed=hold_fixed)  # fmt: skip

@@ -1,8 +1,10 @@
 """Validation of what users pass in: token ids, embeddings, padding masks, layer and row selections.
 
-Every check runs before any cast (a cast to int32 would silently wrap ids >= 2**31), names the
-problem, and is skipped for traced values where it needs concrete numbers (under ``jax.jit`` /
-``jax.vmap`` only shapes and dtypes are checked).
+Every check runs before any cast (a cast to int32 would silently wrap ids >= 2**31) and names the
+problem. Under ``jax.jit`` / ``jax.vmap`` the values are not known when the checks run, so only shapes
+and dtypes raise; a prompt whose traced values fail a check (an id outside the vocabulary, a mask with
+a hole or no valid position) is instead made NaN from its embedding on (:func:`traced_invalid`), so its
+logits and scores are NaN, never plausible numbers, and the other prompts are unaffected.
 
 Padding: a mask (b, l) marks the valid positions of each prompt. They must form one contiguous run
 per row (left padding, right padding, or both); a row with a hole or with no valid position is
@@ -41,6 +43,23 @@ def check_tokens(tokens, vocab_size: int) -> jax.Array:
     if lo < 0 or hi >= vocab_size:
         raise ValueError(f"token ids must lie in [0, {vocab_size}), found min {lo} max {hi}")
     return jnp.asarray(t.astype(np.int32))
+
+
+def traced_invalid(ids, mask, vocab_size: int) -> jax.Array | None:
+    """(b,) bool: the prompts whose traced inputs fail the value checks that concrete inputs get (ids
+    in [0, vocab_size), a mask with one contiguous valid run); None when nothing is traced.
+
+    ``ids`` (b, l) int or None (embeddings given), ``mask`` (b, l) bool."""
+    bad = None
+    if ids is not None and is_traced(ids):
+        bad = ((ids < 0) | (ids >= vocab_size)).any(-1)
+    if is_traced(mask):
+        n = mask.sum(-1)
+        first = jnp.argmax(mask, -1)
+        last = mask.shape[-1] - 1 - jnp.argmax(mask[:, ::-1], -1)
+        holed = (n == 0) | (last - first + 1 != n)
+        bad = holed if bad is None else bad | holed
+    return bad
 
 
 def _check_token_shape(shape, dtype) -> None:

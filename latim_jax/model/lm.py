@@ -17,7 +17,7 @@ from flax import nnx
 
 from latim_jax.kernels import f32
 from latim_jax.model.config import MambaConfig, param_shapes
-from latim_jax.model.inputs import bucket_pad, check_embeds, check_mask, check_tokens
+from latim_jax.model.inputs import bucket_pad, check_embeds, check_mask, check_tokens, traced_invalid
 from latim_jax.model.jit import jit_model_fn
 from latim_jax.model.layers import normed_linear, rms_norm
 from latim_jax.model.mixers import make_mixer
@@ -182,6 +182,9 @@ class MambaLM(nnx.Module):
             h = x
         else:  # eager off a mesh: the jitted form splits the whole model, ~10 ms per call for 24 layers
             h = self.embed(ids) if ctx.mesh is None else _embed(self, ids)
+        invalid = traced_invalid(ids, valid, self.config.vocab_size)
+        if invalid is not None:  # values unknown at trace time: such a prompt's outputs become NaN
+            h = jnp.where(invalid[:, None, None], jnp.nan, h)
         return Inputs(h=h, mask=valid, tokens=ids, batch=batch, length=length, given_mask=mask is not None)
 
     def embed(self, tokens):

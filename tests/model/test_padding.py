@@ -217,3 +217,28 @@ def test_negative_rows_count_back_from_the_real_tokens(case):
 
     with pytest.raises(ValueError, match="traced mask"):
         jax.jit(traced)(jnp.asarray(tokens[:1]), jnp.asarray(mask[:1]))
+
+
+def test_traced_inputs_that_fail_the_checks_give_nan_not_numbers():
+    """Under jax.jit the value checks cannot raise: a prompt with an id outside the vocabulary (above
+    it or negative) or a mask with a hole comes out NaN (logits and scores), the other prompts equal
+    the eager call."""
+    m = model(2)
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, 32, (4, 7))
+    mask = np.ones((4, 7), bool)
+    eager = latim_jax.attribute(m, tokens, method="l2", mask=mask)
+    bad_tokens, bad_mask = tokens.copy(), mask.copy()
+    bad_tokens[1, 3], bad_tokens[2, 0] = 32, -1
+    bad_mask[3, 2] = False
+
+    @jax.jit
+    def scores(t, k):
+        return latim_jax.attribute(m, t, method="l2", mask=k).scores, m(t, mask=k)
+
+    s, logits = scores(jnp.asarray(bad_tokens), jnp.asarray(bad_mask))
+    for b in (1, 2, 3):
+        assert np.isnan(np.asarray(s[b])).any() and np.isnan(np.asarray(logits[b])).all(), b
+    assert rel(s[0], eager.scores[0]) < TOL["fp32"] and np.isfinite(np.asarray(logits[0])).all()
+    with pytest.raises(ValueError, match="token ids must lie in"):
+        latim_jax.attribute(m, bad_tokens, method="l2")  # eager: an error, as before
