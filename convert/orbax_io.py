@@ -75,8 +75,10 @@ def save_checkpoint(
         _write_params(tmp / PARAMS_DIR, params)
         _copy_tokenizer(tokenizer_files, tmp)
         _publish(tmp, dest)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(err, OSError):  # name the user's destination, not the temporary directory
+            raise OSError(err.errno, f"cannot write the checkpoint {dest}: {err.strerror or err}") from None
         raise
     return dest
 

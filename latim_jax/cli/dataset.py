@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from latim_jax.cli.args import UsageError, load_model, parse_ints, positive_int
 from latim_jax.latim.dataset import DatasetError, attribute_dataset, read_prompts
@@ -12,17 +11,16 @@ from latim_jax.latim.kinds import MODES
 from latim_jax.latim.scores import METHODS, PRECISIONS
 from latim_jax.model.inputs import check_layers
 from latim_jax.parallel.context import IMPLS
+from latim_jax.tasks import vocab
 
 
 def model_tokenizer(model):
-    """``text -> ids`` with the checkpoint's tokenizer.json, or None when it has none."""
-    path = Path(model.tokenizer_dir or "") / "tokenizer.json"
-    if not model.tokenizer_dir or not path.is_file():
-        return None
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(path))
-    return lambda text: tok.encode(text).ids
+    """``text -> ids`` with the model's tokenizer (tokenizer.json or its task's words), or None when it
+    has none (:func:`latim_jax.tasks.vocab.encoder`)."""
+    try:
+        return vocab.encoder(model)
+    except vocab.TokenizerError as err:
+        raise UsageError(str(err)) from err
 
 
 def add_dataset_parser(sub, parents=()) -> None:

@@ -65,7 +65,10 @@ def _task(task: dict | None) -> str:
 
 
 def _vocabulary(model) -> str:
-    tok = vocab.load_tokenizer(model)
+    try:
+        tok = vocab.load_tokenizer(model)
+    except vocab.TokenizerError as err:
+        return f"vocabulary: {model.config.vocab_size} ids; {err}"
     if tok is None:
         return f"vocabulary: {model.config.vocab_size} ids, no tokenizer (pass ids with --tokens)"
     directory = getattr(model, "tokenizer_dir", "")

@@ -9,6 +9,7 @@ terminal (``--quiet`` turns them off).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from argparse import RawDescriptionHelpFormatter
 from importlib.metadata import PackageNotFoundError, version
@@ -43,6 +44,7 @@ from latim_jax.io.loading import resolve
 from latim_jax.latim import attribution
 from latim_jax.latim.hidden_attention import AGGREGATIONS
 from latim_jax.latim.kinds import MODES
+from latim_jax.latim.memory import InsufficientMemoryError, human
 from latim_jax.latim.scores import METHODS, PRECISIONS
 from latim_jax.model import generate as generation
 from latim_jax.tasks import registry, vocab
@@ -71,8 +73,13 @@ def tokenize(model, text: str) -> tuple[list[int], list[str]]:
 
 
 def token_labels(model, ids) -> list[str]:
-    """A readable label per id: the tokenizer's (or the task's) word, else the id."""
-    return vocab.labels(model, ids)
+    """A readable label per id: the tokenizer's (or the task's) word, else the id (with a warning when
+    the tokenizer cannot be read: the ids themselves need none)."""
+    try:
+        return vocab.labels(model, ids)
+    except vocab.TokenizerError as err:
+        print(f"warning: {err}; labels show ids", file=sys.stderr)
+        return [str(int(i)) for i in ids]
 
 
 def default_prompt(model, seed: int = 0) -> list[int]:
@@ -91,12 +98,32 @@ def default_prompt(model, seed: int = 0) -> list[int]:
     return [int(t) for t in seq + [task["sep_id"]] + seq]
 
 
+def _read_text(path: str, flag: str) -> str:
+    """The contents of a --text-file / --tokens-file (``-``: standard input)."""
+    if path == "-":
+        return sys.stdin.read()
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise UsageError(f"{flag} {path}: cannot read it ({err.strerror or err})") from None
+
+
 def _prompt(model, args, default=None) -> tuple[list[int], list[str]]:
-    """The prompt of --text / --tokens (else ``default(model)``) with its labels; never empty."""
-    if args.text is not None:
-        ids, labels = tokenize(model, args.text)
-    elif args.tokens is not None:
-        ids = parse_ints(args.tokens, "--tokens")
+    """The prompt of --text / --tokens / --text-file / --tokens-file (else ``default(model)``) with its
+    labels; never empty, every id in the vocabulary (checked before any label is looked up)."""
+    given = [f for f in ("text", "tokens", "text_file", "tokens_file") if getattr(args, f, None) is not None]
+    if len(given) > 1:
+        raise UsageError(f"pass one of --text, --tokens, --text-file, --tokens-file, found {len(given)}")
+    if args.text is not None or getattr(args, "text_file", None) is not None:
+        text = args.text if args.text is not None else _read_text(args.text_file, "--text-file")
+        ids, labels = tokenize(model, text)
+    elif args.tokens is not None or getattr(args, "tokens_file", None) is not None:
+        flag = "--tokens" if args.tokens is not None else "--tokens-file"
+        ids = parse_ints(args.tokens if args.tokens is not None else _read_text(args.tokens_file, flag), flag)
+        n = model.config.vocab_size
+        bad = [i for i in ids if not 0 <= i < n]
+        if bad:
+            raise UsageError(f"{flag}: token ids must lie in [0, {n}) (the vocabulary), found {bad[:5]}")
         labels = token_labels(model, ids)
     else:
         ids = default(model)
@@ -108,13 +135,32 @@ def _prompt(model, args, default=None) -> tuple[list[int], list[str]]:
 
 def _api_call(fn, *args, **kwargs):
     """Call the library; its ValueError (bad ids, rows, layers ...) is a UsageError, its
-    FloatingPointError (non-finite results) a failed run."""
+    FloatingPointError (non-finite results) a failed run, its InsufficientMemoryError a UsageError
+    naming this command's options."""
     try:
         return fn(*args, **kwargs)
     except FloatingPointError as err:
         raise RunFailed(str(err)) from err
     except ValueError as err:
         raise UsageError(str(err)) from err
+    except InsufficientMemoryError as err:
+        raise UsageError(_memory_message(err)) from err
+
+
+def _memory_message(err: InsufficientMemoryError) -> str:
+    """The memory refusal in this command line's terms (the library's names Python arguments)."""
+    spelled = {
+        "rows": "--rows -1 (only the last target)",
+        "layers": f"--layers with at most {err.options.get('layers')} layers per run",
+    }
+    options = [spelled[k] for k in err.options if k in spelled]
+    api = [k for k in err.options if k in ("top_k", "out_dtype", "stream_to")]
+    if api:
+        options.append(f"the Python API's latim_jax.attribute({', '.join(f'{k}=...' for k in api)})")
+    return (
+        f"attribution of {err.length} tokens needs about {human(err.needed)}, more than the "
+        f"{human(err.limit)} available; options that fit: {'; '.join(options) or 'none'}"
+    )
 
 
 def cmd_convert(args):
@@ -170,8 +216,6 @@ def cmd_info(args):
 
 def cmd_attribute(args):
     """`latim-jax attribute`: scores for one prompt, saved as .npz (+ a figure / HTML)."""
-    if args.text is not None and args.tokens is not None:
-        raise UsageError("pass either --text or --tokens, not both")
     if args.aggregation is not None and args.method != "hidden_attention":
         raise UsageError("--aggregation applies to --method hidden_attention only")
     if args.plot is not None:
@@ -326,6 +370,8 @@ def build_parser() -> Parser:
     a.add_argument("--model", default=None, help=model_help + " (default copy-mamba2)")
     a.add_argument("--text", default=None, help="prompt text, split by the model's tokenizer (see `info`)")
     a.add_argument("--tokens", default=None, help="token ids, e.g. '3 5 7' (default: a prompt of the task)")
+    a.add_argument("--text-file", default=None, help="read the prompt text from a file ('-': stdin)")
+    a.add_argument("--tokens-file", default=None, help="read the token ids from a file ('-': stdin)")
     a.add_argument("--method", default="l2", choices=METHODS, help="score (default l2)")
     a.add_argument("--mode", default="exact", choices=MODES, help="decomposition mode (default exact)")
     a.add_argument(
@@ -381,6 +427,15 @@ def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split()) or type(err).__name__
 
 
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so that Python's flush at exit does not fail on the closed pipe."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # no real file descriptor (captured in tests)
+        pass
+
+
 def main(argv=None) -> int:
     """Entry point of the ``latim-jax`` console script; returns the exit code (see ``EXIT_*``)."""
     try:
@@ -394,6 +449,9 @@ def main(argv=None) -> int:
     except RunFailed as err:
         print(f"error: {_one_line(err)}", file=sys.stderr)
         return EXIT_FAILED
+    except BrokenPipeError:  # `latim-jax info | head -1`: the reader left, nothing went wrong here
+        _silence_stdout()
+        return EXIT_OK
     except (UsageError, CheckpointError, OSError) as err:
         print(f"error: {_one_line(err)}", file=sys.stderr)
         return EXIT_USAGE

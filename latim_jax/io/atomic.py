@@ -22,18 +22,23 @@ def write_bytes_atomic(path, data: bytes) -> None:
 
     The file gets the permissions a plain ``open(path, "w")`` would give (0o666 minus the umask),
     not mkstemp's private 0o600.
+
+    An OSError names ``path`` (the user's), never the temporary file.
     """
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             os.fchmod(fh.fileno(), 0o666 & ~current_umask())
         os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
+    except BaseException as err:
+        if tmp is not None and os.path.exists(tmp):
             os.remove(tmp)
+        if isinstance(err, OSError):
+            raise OSError(err.errno, f"cannot write {path}: {err.strerror or err}") from None
         raise
 
 

@@ -204,7 +204,7 @@ def attribute(
     if memory_limit is not None and not is_traced(x.h):
         limit = int(memory.available() / memory.AUTO_MARGIN) if memory_limit == "auto" else int(memory_limit)
         memory.check_fits(
-            model, x.batch, x.h.shape[1], limit=limit, method=method,
+            model, x.batch, x.h.shape[1], limit=limit, prompt_length=x.length, method=method,
             rows=None if req.rows is None else len(req.rows),
             layers=None if req.layers == tuple(range(model.config.n_layers)) else len(req.layers),
             top_k=top_k, out_dtype=out_dtype, stream=stream_to is not None, blocks=blocks,

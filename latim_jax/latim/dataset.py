@@ -154,7 +154,10 @@ def _tokenize(text, tokenize):
         raise DatasetError(f'"text" must be a string, found {type(text).__name__}')
     if tokenize is None:
         raise DatasetError("text needs the model's tokenizer, and this model has none: give token ids")
-    return list(tokenize(text))
+    try:
+        return list(tokenize(text))
+    except Exception as err:  # whatever the tokenizer raises: this line is bad, not the run
+        raise DatasetError(" ".join(str(err).split()) or type(err).__name__) from None
 
 
 def bucket(length: int) -> int:

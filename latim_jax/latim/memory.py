@@ -68,7 +68,17 @@ def human(n: int) -> str:
 
 
 class InsufficientMemoryError(MemoryError):
-    """The estimated peak of a call exceeds the memory available; the message names options that fit."""
+    """The estimated peak of a call exceeds the memory available; the message names options that fit.
+
+    ``options``: {option: value} of each alternative that fits, keys among "rows" (1: the last row),
+    "layers" (the most layers per call), "top_k", "out_dtype", "stream_to", "batch" (1), so that a
+    front end (the CLI) can name them in its own spelling; ``needed`` / ``limit`` bytes; ``batch`` and
+    ``length`` the caller's."""
+
+    def __init__(self, message: str, *, options=None, needed=0, limit=0, batch=0, length=0):
+        super().__init__(message)
+        self.options = dict(options or {})
+        self.needed, self.limit, self.batch, self.length = needed, limit, batch, length
 
 
 def estimate(
@@ -155,16 +165,19 @@ def available() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def check_fits(model, batch: int, length: int, *, limit: int, **call) -> MemoryEstimate:
+def check_fits(
+    model, batch: int, length: int, *, limit: int, prompt_length: int | None = None, **call
+) -> MemoryEstimate:
     """The estimate of the call, or :class:`InsufficientMemoryError` when it exceeds ``limit`` bytes,
     naming each alternative that fits: the last row only, fewer layers, top_k, bfloat16 output,
-    streaming to disk, a smaller batch."""
+    streaming to disk, a smaller batch. ``length``: the length computed (with bucket padding);
+    ``prompt_length``: the caller's, for the message (default ``length``)."""
     est = estimate(model, batch, length, **call)
     if est.total <= limit:
         return est
-    options = []
+    fits = {}
     if call.get("rows") != 1 and estimate(model, batch, length, **{**call, "rows": 1}).total <= limit:
-        options.append("rows=[-1] (only the last target; a row subset costs O(rows x L))")
+        fits["rows"] = 1
     n = model.config.n_layers if call.get("layers") is None else call["layers"]
     fit = [
         k
@@ -172,22 +185,32 @@ def check_fits(model, batch: int, length: int, *, limit: int, **call) -> MemoryE
         if estimate(model, batch, length, **{**call, "layers": k}).total <= limit
     ]
     if fit:
-        options.append(f"layers=<at most {fit[0]} layers> (one call per group of layers)")
+        fits["layers"] = fit[0]
     k = min(32, length)
     if estimate(model, batch, length, **{**call, "top_k": k, "stream": False}).total <= limit:
-        options.append(f"top_k={k} (keep the {k} strongest sources per target)")
+        fits["top_k"] = k
     if estimate(model, batch, length, **{**call, "out_dtype": "bfloat16"}).total <= limit:
-        options.append("out_dtype='bfloat16' (half the output)")
+        fits["out_dtype"] = "bfloat16"
     if estimate(model, batch, length, **{**call, "stream": True}).total <= limit:
-        options.append("stream_to=DIR (write each layer's scores to disk as it is computed)")
+        fits["stream_to"] = "DIR"
     if batch > 1 and estimate(model, 1, length, **call).total <= limit:
-        options.append("a smaller batch (one prompt fits)")
+        fits["batch"] = 1
+    spelled = {
+        "rows": "rows=[-1] (only the last target; a row subset costs O(rows x L))",
+        "layers": f"layers=<at most {fits.get('layers')} layers> (one call per group of layers)",
+        "top_k": f"top_k={k} (keep the {k} strongest sources per target)",
+        "out_dtype": "out_dtype='bfloat16' (half the output)",
+        "stream_to": "stream_to=DIR (write each layer's scores to disk as it is computed)",
+        "batch": "a smaller batch (one prompt fits)",
+    }
     hint = (
-        "; ".join(options)
-        if options
+        "; ".join(spelled[key] for key in fits)
+        if fits
         else "none of rows=[-1], fewer layers, top_k, bf16 output or streaming fits"
     )
+    shown = length if prompt_length is None else prompt_length
     raise InsufficientMemoryError(
-        f"attribution of {batch} x {length} tokens needs about {est.describe()}, more than the "
-        f"{human(limit)} available. Options that fit: {hint}. (memory_limit=None skips this check.)"
-    )
+        f"attribution of {batch} x {shown} tokens needs about {est.describe()}, more than the "
+        f"{human(limit)} available. Options that fit: {hint}. (memory_limit=None skips this check.)",
+        options=fits, needed=est.total, limit=limit, batch=batch, length=shown,
+    )  # fmt: skip

@@ -17,6 +17,10 @@ from latim_jax.tasks import registry
 TOKENIZER_FILE = "tokenizer.json"
 
 
+class TokenizerError(ValueError):
+    """A tokenizer.json that the tokenizers library cannot read (the message names the file)."""
+
+
 def task_words(task: dict, vocab_size: int | None = None) -> list[str]:
     """:func:`latim_jax.tasks.registry.vocabulary` padded to ``vocab_size`` entries with ``<unused{id}>`` (a
     model's embedding table may have more rows than the task has ids)."""
@@ -47,12 +51,16 @@ def write_task_tokenizer(directory: str | os.PathLike, task: dict, vocab_size: i
 
 def load_tokenizer(model):
     """The model's tokenizers.Tokenizer: its tokenizer.json, else one built from its task's words,
-    else None."""
+    else None. Raises :class:`TokenizerError` naming the file when tokenizer.json cannot be read."""
     from tokenizers import Tokenizer
 
     directory = getattr(model, "tokenizer_dir", "") or ""
-    if directory and (Path(directory) / TOKENIZER_FILE).is_file():
-        return Tokenizer.from_file(str(Path(directory) / TOKENIZER_FILE))
+    path = Path(directory) / TOKENIZER_FILE
+    if directory and path.is_file():
+        try:
+            return Tokenizer.from_file(str(path))
+        except Exception as err:  # tokenizers raises a bare Exception on a malformed file
+            raise TokenizerError(f"{path}: not a readable tokenizer ({' '.join(str(err).split())})") from None
     task = getattr(model, "task", None)
     if task and task.get("name") in registry.TASK_FIELDS:
         return word_tokenizer(task_words(task, model.config.vocab_size))
@@ -94,17 +102,32 @@ def encode(model, text: str) -> tuple[list[int], list[str]]:
             f"the checkpoint {model.source!r} has no tokenizer.json and no task vocabulary; "
             "pass token ids with --tokens '3 5 7' instead"
         )
-    if _is_word_level(tok):
-        words = text.split()
-        unknown = [w for w in words if tok.token_to_id(w) is None]
-        if unknown:
-            vocab = describe(model_words(model) or [])
-            raise ValueError(
-                f"unknown word(s) {unknown[:5]} for this model's vocabulary ({vocab}); "
-                "separate words by spaces, or pass ids with --tokens"
-            )
-    enc = tok.encode(text)
+    try:
+        enc = _encode(tok, text)
+    except ValueError as err:
+        vocab = describe(model_words(model) or [])
+        raise ValueError(f"{err} (this model's vocabulary: {vocab}); or pass ids with --tokens") from None
     return list(enc.ids), list(enc.tokens)
+
+
+def encoder(model):
+    """``text -> ids`` with the model's tokenizer (None when it has none); ValueError for a text it
+    cannot encode (unknown words of a word-level vocabulary named)."""
+    tok = load_tokenizer(model)
+    if tok is None:
+        return None
+    return lambda text: list(_encode(tok, text).ids)
+
+
+def _encode(tok, text: str):
+    if _is_word_level(tok):
+        unknown = [w for w in text.split() if tok.token_to_id(w) is None]
+        if unknown:
+            raise ValueError(f"unknown word(s) {unknown[:5]}; separate words by spaces")
+    try:
+        return tok.encode(text)
+    except Exception as err:  # tokenizers raises a bare Exception
+        raise ValueError(f"the tokenizer cannot encode this text ({' '.join(str(err).split())})") from None
 
 
 def labels(model, ids) -> list[str]:

@@ -92,6 +92,10 @@ def test_choices_are_the_api_choices(capsys):
         (["attribute", "--model", "ck", "--text", "a", "--tokens", "1"], ["--text", "--tokens"]),
         (["attribute", "--model", "ck", "--tokens", ""], ["prompt is empty"]),
         (["attribute", "--model", "ck", "--tokens", "1 x"], ["--tokens", "integers"]),
+        (["attribute", "--model", "copy-mamba1", "--tokens", "3 -1 4"], ["--tokens", "[0, 32)", "[-1]"]),
+        (["attribute", "--model", "copy-mamba1", "--tokens", "3 99999999999999999999"], ["[0, 32)"]),
+        (["attribute", "--model", "ck", "--text-file", "nope.txt"], ["--text-file nope.txt", "cannot read"]),
+        (["attribute", "--model", "ck", "--text", "a", "--tokens-file", "old.npz"], ["pass one of"]),
         (["attribute", "--model", "ck/latim_config.json", "--tokens", "1"], ["a file", "directory"]),
         (["attribute", "--model", "nowhere", "--tokens", "1"], ["nowhere", "shipped models"]),
         (["attribute", "--model", "ck", "--seed", "-1"], ["--seed", ">= 0"]),
@@ -210,3 +214,76 @@ def test_check_cli_passes_and_fails(tmp_path, monkeypatch, capsys):
     # a tolerance below the float rounding fails too, with exit code 1
     assert main(["check", "--model", "good", "--length", "5", "--tolerance", "1e-30"]) == EXIT_FAILED
     assert np.isfinite(json.loads((tmp_path / "r.json").read_text())["max_logit_error"])
+
+
+def test_an_unreadable_tokenizer_is_named_and_ids_still_work(here, capsys):
+    """A corrupt tokenizer.json: --tokens still runs (labels show ids, with a warning naming the file),
+    --text is a one-line error naming it, info reports it."""
+    (here / "ck" / "tokenizer.json").write_text("{not json")
+    assert main(["attribute", "--model", "ck", "--tokens", "1 2 3", "--out", "s.npz"]) == EXIT_OK
+    err = capsys.readouterr().err
+    assert "warning: " in err and "tokenizer.json: not a readable tokenizer" in err and "Traceback" not in err
+    rc, err = run(["attribute", "--model", "ck", "--text", "a b", "--out", "t.npz"], capsys)
+    assert rc == EXIT_USAGE and "tokenizer.json: not a readable tokenizer" in err
+    assert main(["info", "ck"]) == EXIT_OK
+    assert "not a readable tokenizer" in capsys.readouterr().out
+
+
+def test_a_prompt_too_large_names_this_commands_options(here, capsys, monkeypatch):
+    """The memory refusal speaks the CLI's language (--rows -1; what only the Python API has, said
+    so) and counts the prompt's tokens, not the length bucket it was padded to."""
+    from latim_jax.latim import memory
+
+    monkeypatch.setattr(memory, "available", lambda: int(0.8e6 * memory.AUTO_MARGIN))  # 0.6 < 0.8 < 1 MB
+    tokens = " ".join(["1"] * 200)  # bucketed to a longer length internally
+    rc, err = run(["attribute", "--model", "ck", "--tokens", tokens, "--out", "s.npz"], capsys)
+    assert rc == EXIT_USAGE and "of 200 tokens" in err and "--rows -1" in err, err
+    assert "top_k=32" not in err and "stream_to=DIR" not in err and not (here / "s.npz").exists()
+
+
+def test_prompt_from_a_file_or_stdin(here, capsys, monkeypatch):
+    """--tokens-file / --text-file ('-' = stdin) take prompts too long for an argument list."""
+    import io
+
+    (here / "ids.txt").write_text("1 2\n3 4\n")
+    assert main(["attribute", "--model", "ck", "--tokens-file", "ids.txt", "--out", "a.npz"]) == EXIT_OK
+    monkeypatch.setattr("sys.stdin", io.StringIO("1 2 3 4"))
+    assert main(["attribute", "--model", "ck", "--tokens-file", "-", "--out", "b.npz"]) == EXIT_OK
+    a, b = (np.load(here / f, allow_pickle=False) for f in ("a.npz", "b.npz"))
+    assert a["tokens"].tolist() == [[1, 2, 3, 4]] and np.array_equal(a["scores"], b["scores"])
+
+
+def test_a_closed_pipe_is_not_an_error(here, capsys, monkeypatch):
+    """`latim-jax info | head -1`: the reader leaving is not reported as an error."""
+
+    class Closed:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr("sys.stdout", Closed())
+    assert main(["info", "ck"]) == EXIT_OK
+    assert capsys.readouterr().err == ""
+
+
+def test_dataset_line_the_tokenizer_rejects_is_a_skipped_bad_line(here, capsys):
+    (here / "p.txt").write_text("t3 t4 zzz\nt3 t5\n")
+    argv = ["attribute-dataset", "--model", "copy-mamba1", "--input", "p.txt", "--out", "r", "--quiet"]
+    assert main(argv + ["--on-bad-line", "skip"]) == EXIT_OK
+    captured = capsys.readouterr()
+    assert "skipped p.txt:1: unknown word(s) ['zzz']" in captured.err and "Traceback" not in captured.err
+    assert "1 prompts attributed" in captured.out
+
+
+def test_write_errors_name_the_users_path(tmp_path):
+    from latim_jax.io.atomic import write_bytes_atomic
+
+    target = tmp_path / "d"
+    target.mkdir()
+    (target / "x").write_text("keep")
+    with pytest.raises(OSError, match=f"cannot write {target}") as err:
+        write_bytes_atomic(target, b"data")
+    assert ".tmp-" not in str(err.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]  # no temporary file left
