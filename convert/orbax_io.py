@@ -40,6 +40,8 @@ TOKENIZER_FILES = (
     "tokenizer.model",  # sentencepiece tokenizers
     "tokenizer.model.v3",  # mistral-inference's (Codestral)
 )
+TASK_FILE = "task.json"  # a shipped task model's task and training record (evaluate reads it)
+COMPANION_FILES = (*TOKENIZER_FILES, TASK_FILE)  # copied beside the parameters
 
 
 def save_checkpoint(
@@ -53,7 +55,8 @@ def save_checkpoint(
 ) -> Path:
     """Write ``params`` (checked against ``param_shapes(config)``), the config and tokenizer files.
 
-    The tokenizer files of :data:`TOKENIZER_FILES` found in ``tokenizer_dir`` are copied. The write is
+    The tokenizer files of :data:`TOKENIZER_FILES` and the task file found in ``tokenizer_dir`` are
+    copied (:data:`COMPANION_FILES`). The write is
     atomic: into a temporary directory beside ``dest``, renamed at the end; on any failure nothing is
     left at ``dest``, and nothing is removed before the new checkpoint is complete. An existing
     non-empty ``dest`` is refused unless ``overwrite=True``, and even then only a latim-jax checkpoint
@@ -178,7 +181,7 @@ def _tokenizer_files(tokenizer_dir: str | Path | None) -> list[Path]:
     tokenizer_dir = Path(tokenizer_dir)
     if not tokenizer_dir.is_dir():
         raise FileNotFoundError(f"tokenizer directory {tokenizer_dir} does not exist")
-    return [tokenizer_dir / name for name in TOKENIZER_FILES if (tokenizer_dir / name).is_file()]
+    return [tokenizer_dir / name for name in COMPANION_FILES if (tokenizer_dir / name).is_file()]
 
 
 def _write_config(directory: Path, config: MambaConfig) -> None:

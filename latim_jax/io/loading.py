@@ -10,7 +10,7 @@ from pathlib import Path
 import jax.numpy as jnp
 
 from latim_jax.convert import SourceUnavailableError, read_checkpoint, resolve_source
-from latim_jax.convert.orbax_io import TOKENIZER_FILES
+from latim_jax.convert.orbax_io import TASK_FILE, TOKENIZER_FILES
 from latim_jax.model.lm import MambaLM
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
@@ -86,7 +86,7 @@ def load(source: str | os.PathLike | None = None, dtype=None) -> MambaLM:
     config, params = read_checkpoint(path, dtype=None if dtype is None else jnp.dtype(dtype))
     model = MambaLM(config, params)
     model.source = str(source) if source is not None else DEFAULT_MODEL
-    task_file = path / "task.json"
+    task_file = path / TASK_FILE
     if task_file.is_file():
         model.task = json.loads(task_file.read_text())
     model.tokenizer_dir = str(path) if any((path / f).is_file() for f in TOKENIZER_FILES) else ""

@@ -369,8 +369,21 @@ def source_scores(maps, links: Links, row: str = "predicting") -> np.ndarray:
     r = links.n_src[:, None] + t + (1 if row == "own" else 0)  # (b, T)
     r = np.minimum(r, maps.shape[1] - 1)
     out = maps[np.arange(b)[:, None], r][:, :, :S]  # (b, T, S)
-    inside = (t < links.n_tgt[:, None])[:, :, None] & (np.arange(S)[None, None] < links.n_src[:, None, None])
-    return np.where(inside, out, -np.inf)
+    return np.where(inside(links), out, -np.inf)
+
+
+def inside(links: Links) -> np.ndarray:
+    """(b, T, S) bool: the (target word, source word) slots inside each sentence pair."""
+    _, T, S = links.sure.shape
+    return (np.arange(T)[None, :, None] < links.n_tgt[:, None, None]) & (
+        np.arange(S)[None, None] < links.n_src[:, None, None]
+    )
+
+
+def random_scores(links: Links, rng: np.random.Generator) -> np.ndarray:
+    """(b, T, S) uniform random scores over each sentence's own source words (-inf on the padding
+    slots), so that :func:`extract` links each target word to a uniformly random word of its source."""
+    return np.where(inside(links), rng.random(links.sure.shape), -np.inf)
 
 
 def extract(scores: np.ndarray, links: Links) -> np.ndarray:

@@ -4,9 +4,10 @@ For held-out sentences of :mod:`latim_jax.tasks.align`, every method's map (per 
 layers as :func:`latim_jax.tasks.methods.layer_aggregate` does) gives one link per target word, to the source
 word with the largest attribution in the row that predicts the target word (``align.source_scores``;
 the word's own row is reported beside it); the links are scored with AER against the gold sure and
-possible links, summed over all sentences. Two reference rows: "random" (a uniformly random source word
-per target word, mean of 10 draws) and "gold argmax" (the best any one-link-per-word extraction can do,
-above 0 because a plural noun has two sure links).
+possible links, summed over all sentences. Two reference rows: "random" (a uniformly random word of
+the sentence's source per target word, mean of 10 draws; padding slots are never drawn) and "gold
+argmax" (the best any one-link-per-word extraction can do, above 0 because a plural noun has two sure
+links).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from latim_jax.tasks import align, registry
-from latim_jax.tasks.methods import METHODS, layer_aggregate, run
+from latim_jax.tasks.methods import METHODS, layer_aggregate, resolve, run
 
 # the paper's IWSLT17 de-en AER ranges (docs/method.md section 11): method -> text
 PAPER_AER = {
@@ -52,13 +53,26 @@ def evaluate_alignment(
     batch_size: int = 64,
     seed: int = 10_000,
     methods=METHODS,
+    data=None,
 ) -> dict:
     """AER of every method per layer and aggregated (rows: predicting and own), plus the random and the
-    gold-argmax references. Returns a JSON-safe report (see :func:`format_table`)."""
+    gold-argmax references. Returns a JSON-safe report (see :func:`format_table`).
+
+    ``methods``: rows of :data:`latim_jax.tasks.methods.METHODS`, method names ("l2", "logit", ...)
+    or column names (:func:`latim_jax.tasks.methods.resolve`). ``data``: your own ``(Batch, Links)``
+    (from :func:`latim_jax.tasks.align.sample`) instead of ``n_sentences`` drawn with ``seed``, so that
+    several models or methods are compared on the same sentences."""
     task = registry.task_fields(task or model.task)
     if task["name"] != "align":
         raise ValueError(f"evaluate_alignment needs an align task, found {task['name']!r}")
-    batch, links = held_out(task, n_sentences, seed)
+    methods = resolve(methods)
+    if data is None:
+        batch, links = held_out(task, n_sentences, seed)
+    else:
+        batch, links = data
+        if not isinstance(links, align.Links) or links.sure.shape[0] != batch.tokens.shape[0]:
+            raise ValueError("data must be (Batch, Links) of one set of sentences (align.sample returns it)")
+        n_sentences = batch.tokens.shape[0]
     n_layers = model.config.n_layers
     preds = {m[0]: {row: [[] for _ in range(n_layers + 1)] for row in align.ROWS} for m in methods}
     for start in range(0, n_sentences, batch_size):
@@ -81,7 +95,9 @@ def evaluate_alignment(
         best = int(np.argmin(out["predicting"]["layers"]))
         rows[m[0]] = {**out["predicting"], "best_layer": best, "own": out["own"]}
     rng = np.random.default_rng(seed)
-    random_aer = np.mean([_aer(align.extract(rng.random(links.sure.shape), links), links) for _ in range(10)])
+    random_aer = np.mean(
+        [_aer(align.extract(align.random_scores(links, rng), links), links) for _ in range(10)]
+    )
     return {
         "task": task,
         "model": getattr(model, "source", ""),

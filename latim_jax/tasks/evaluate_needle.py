@@ -14,7 +14,7 @@ import numpy as np
 
 from latim_jax.kernels.block_sizes import Blocks
 from latim_jax.tasks import metrics, needle, registry
-from latim_jax.tasks.methods import METHODS, layer_aggregate, run
+from latim_jax.tasks.methods import METHODS, layer_aggregate, resolve, run
 
 LENGTHS = (512, 2048, 8192)
 SETTINGS = {"single": (1, 1), "multi": (4, 2)}  # name -> (needles, queries)
@@ -63,10 +63,14 @@ def evaluate_needle(
     methods=METHODS,
 ) -> dict:
     """Retrieval accuracy and attribution AUC / R@1 (value and key gold) of every method, per layer and
-    aggregated, for each length and setting. JSON-safe report (see :func:`format_table`)."""
+    aggregated, for each length and setting. JSON-safe report (see :func:`format_table`).
+
+    ``methods``: rows of :data:`latim_jax.tasks.methods.METHODS`, method names ("l2", "logit", ...)
+    or column names (:func:`latim_jax.tasks.methods.resolve`)."""
     task = registry.task_fields(task or model.task)
     if task["name"] != "needle":
         raise ValueError(f"evaluate_needle needs a needle task, found {task['name']!r}")
+    methods = resolve(methods)
     settings = SETTINGS if settings is None else settings
     n_layers = model.config.n_layers
     results = []

@@ -54,6 +54,30 @@ def method_entry(entry) -> tuple:
     return name, method, mode, options
 
 
+def resolve(methods) -> tuple:
+    """Method rows from what a caller passes: rows ``(name, method, mode[, options])``, an
+    ``attribute`` method name (``"l2"``: every row of :data:`METHODS` with that method) or a column
+    name (``"LaTIM l2 (exact)"``), mixed freely; errors name what is unknown."""
+    if isinstance(methods, str):
+        methods = [methods]
+    out = []
+    columns = {m[0]: m for m in METHODS}
+    for entry in methods:
+        if isinstance(entry, str):
+            if entry in columns:
+                out.append(columns[entry])
+            elif any(m[1] == entry for m in METHODS):
+                out.extend(m for m in METHODS if m[1] == entry)
+            else:
+                known = sorted({m[1] for m in METHODS})
+                raise ValueError(f"unknown method {entry!r}; expected a method of {known} or a column name")
+        else:
+            out.append(method_entry(entry))
+    if not out:
+        raise ValueError("methods names no method")
+    return tuple(out)
+
+
 def select(names=None, methods=METHODS) -> tuple:
     """The rows whose ``attribute`` method is in ``names`` (None: all); errors name unknown methods."""
     if names is None:

@@ -653,6 +653,19 @@ def test_relative_paths_work_everywhere(tmp_path, monkeypatch):
     assert latim_jax.Attribution.load("s.npz").scores.shape == (1, 2, 3, 3)
 
 
+def test_converting_a_task_model_keeps_its_task(tmp_path, monkeypatch):
+    """convert copies task.json beside the tokenizer: the converted shipped model still knows its task
+    (evaluate, the default prompt and text in the task's words need it)."""
+    import latim_jax
+    from latim_jax.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["convert", "copy-mamba1", "converted"]) == 0
+    original, converted = latim_jax.load("copy-mamba1"), latim_jax.load("converted")
+    assert converted.task == original.task and converted.task["name"] == "copy"
+    assert main(["attribute", "--model", "converted", "--text", "t3 t4 <sep>", "--out", "s.npz"]) == 0
+
+
 def test_written_files_respect_the_umask(tmp_path):
     from latim_jax.io.atomic import write_bytes_atomic
 

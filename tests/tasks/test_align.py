@@ -143,3 +143,23 @@ def test_batches_are_deterministic_and_within_limits():
     assert len(align.vocabulary(task)) == task["vocab_size"] == align.VOCAB_SIZE
     with pytest.raises(ValueError, match="vocab_size"):
         tasks.check_task({**task, "vocab_size": 10})
+
+
+def test_random_baseline_draws_only_the_sentences_own_source_words():
+    """The random reference links each target word to a uniformly random word of its own source
+    (never a padding slot), and its AER is the expectation computed by hand from the gold links."""
+    task = align.align_task()
+    _, links = align.sample(task, 512, np.random.default_rng(0))
+    rng = np.random.default_rng(1)
+    real_words = np.arange(links.sure.shape[1])[None] < links.n_tgt[:, None]
+    draws = []
+    for _ in range(10):
+        pred = align.extract(align.random_scores(links, rng), links)
+        assert not (pred & ~align.inside(links)).any()
+        np.testing.assert_array_equal(pred.sum(-1), real_words)
+        draws.append(align.aer(pred, links.sure, links.possible))
+    # E|A & S| = sum over target words of |S_t| / n_src (one uniform link each), likewise for P
+    n_src = links.n_src[:, None].astype(float)
+    hits = (links.sure.sum(-1) / n_src + links.possible.sum(-1) / n_src)[real_words].sum()
+    expected = 1 - hits / (real_words.sum() + links.sure.sum())
+    assert np.mean(draws) == pytest.approx(expected, abs=0.005)

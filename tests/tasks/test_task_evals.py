@@ -53,6 +53,22 @@ def test_alignment_report_matches_a_direct_computation():
     assert "| LaTIM l2 (exact) |" in table and "0.44-0.52" in table and "gold argmax" in table
 
 
+def test_alignment_takes_method_names_and_the_callers_sentences():
+    """methods by name ("l2": its exact and paper rows; a column name: that row) and data=(batch,
+    links): the same report as the sentences drawn inside from the same seed."""
+    model = tiny(ALIGN)
+    drawn = ea.evaluate_alignment(model, n_sentences=8, batch_size=8, methods=mt.select(["l2"]))
+    given = ea.evaluate_alignment(model, batch_size=8, methods="l2", data=ea.held_out(ALIGN, 8, 10_000))
+    assert list(given["rows"]) == ["LaTIM l2 (exact)", "LaTIM l2 (paper)"] and given["n_sentences"] == 8
+    for name, row in drawn["rows"].items():
+        assert given["rows"][name]["layers"] == pytest.approx(row["layers"])
+    assert mt.resolve(["LaTIM logit (paper)", "grad_input"]) == (mt.METHODS[5], mt.METHODS[9])
+    with pytest.raises(ValueError, match="unknown method 'attention'"):
+        mt.resolve(["attention"])
+    with pytest.raises(ValueError, match=r"data must be \(Batch, Links\)"):
+        ea.evaluate_alignment(model, methods="l2", data=(ea.held_out(ALIGN, 8, 0)[0], None))
+
+
 def test_method_rows_and_their_layer_aggregates():
     chosen = mt.select(["hidden_attention"])  # one row per aggregation: rollout, and the signed sum
     assert [m[3]["aggregation"] for m in chosen] == ["minmax", "abs", "signed"]
