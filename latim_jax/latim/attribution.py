@@ -26,7 +26,7 @@ from latim_jax.latim.kinds import check_mode, factors, full_contributions
 from latim_jax.latim.request import LayerJob, Request, check_targets, layer_job, output_precision, request
 from latim_jax.latim.scores import DEFAULT_AGGREGATION, kept_pairs, layer_scores, token_sum
 from latim_jax.model.inputs import check_layers, is_traced
-from latim_jax.model.jit import jit_model_fn
+from latim_jax.model.jit import bound_compiled_programs, jit_model_fn
 from latim_jax.model.sharding import context
 from latim_jax.parallel.context import Context
 from latim_jax.parallel.mesh import DATA, P, gather, pad_batch, put
@@ -210,7 +210,10 @@ def attribute(
             top_k=top_k, out_dtype=out_dtype, stream=stream_to is not None, blocks=blocks,
         )  # fmt: skip
     targets = check_targets(target, x.batch, x.length, model.config.vocab_size)
-    return _run(model, x, req, ctx, targets)
+    result = _run(model, x, req, ctx, targets)
+    if not is_traced(x.h):  # never inside a user's transformation
+        bound_compiled_programs()
+    return result
 
 
 def _run(model, x, req: Request, ctx: Context, targets) -> Attribution:

@@ -17,8 +17,15 @@ from flax import nnx
 
 from latim_jax.kernels import f32
 from latim_jax.model.config import MambaConfig, param_shapes
-from latim_jax.model.inputs import bucket_pad, check_embeds, check_mask, check_tokens, traced_invalid
-from latim_jax.model.jit import jit_model_fn
+from latim_jax.model.inputs import (
+    bucket_pad,
+    check_embeds,
+    check_mask,
+    check_tokens,
+    is_traced,
+    traced_invalid,
+)
+from latim_jax.model.jit import bound_compiled_programs, jit_model_fn
 from latim_jax.model.layers import normed_linear, rms_norm
 from latim_jax.model.mixers import make_mixer
 from latim_jax.model.sharding import context
@@ -225,6 +232,8 @@ class MambaLM(nnx.Module):
         x = self.prepare_inputs(tokens, mask, inputs_embeds, ctx)
         residuals = self.run_layers(x.h, x.mask, ctx)
         out = ModelOutput(logits=_head(self, residuals[-1]), residuals=jnp.stack(residuals))
+        if not is_traced(x.h):
+            bound_compiled_programs()
         if ctx.mesh is None:
             return out
         out = gather(out)
