@@ -10,7 +10,10 @@ import os
 from pathlib import Path
 
 from latim_jax.convert import CheckpointError
-from latim_jax.io.loading import load
+from latim_jax.io.loading import SHIPPED, load
+
+MODEL_HELP = f"shipped name ({', '.join(SHIPPED)}), directory or hub id"
+DEFAULT_METHOD = "alti"  # attribute, attribute-dataset and latim_jax.attribute agree
 
 EXIT_OK = 0  # the command did what was asked
 EXIT_FAILED = 1  # it ran, and the check or run failed (check: FAIL; non-finite scores)
@@ -87,6 +90,13 @@ def parse_ints(text: str, what: str) -> list[int]:
         return [int(x) for x in text.replace(",", " ").split()]
     except ValueError:
         raise UsageError(f"{what} must be integers separated by spaces or commas, found {text!r}") from None
+
+
+def check_suffix(flag: str, value, suffixes: tuple[str, ...]) -> None:
+    """Refuse an output file whose extension is not one of ``suffixes`` (``--out s.txt`` would
+    write an .npz under a name that says otherwise)."""
+    if value is not None and Path(value).suffix.lower() not in suffixes:
+        raise UsageError(f"{flag} {str(value)!r} must end in {' or '.join(suffixes)}")
 
 
 def check_outputs(outputs: dict[str, str | os.PathLike | None], force: bool = False) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from latim_jax.cli.args import UsageError, load_model, parse_ints, positive_int
+from latim_jax.cli.args import DEFAULT_METHOD, MODEL_HELP, UsageError, load_model, parse_ints, positive_int
 from latim_jax.latim.dataset import DatasetError, attribute_dataset, read_prompts
 from latim_jax.latim.hidden_attention import AGGREGATIONS
 from latim_jax.latim.kinds import MODES
@@ -36,18 +36,34 @@ def add_dataset_parser(sub, parents=()) -> None:
             "latim_jax.open_results(OUT)."
         ),
     )
-    p.add_argument("--model", default=None, help="checkpoint (default: the shipped Mamba-2 copy model)")
+    p.add_argument("--model", default=None, help=MODEL_HELP + " (default copy-mamba2)")
     p.add_argument("--input", required=True, help="prompts: .jsonl, or plain text one prompt per line")
     p.add_argument("--out", required=True, help="output directory (created; reused only by the same run)")
-    p.add_argument("--method", default="alti", choices=METHODS)
-    p.add_argument("--mode", default="exact", choices=MODES)
-    p.add_argument("--aggregation", default="minmax", choices=AGGREGATIONS, help="hidden attention only")
+    p.add_argument(
+        "--method", default=DEFAULT_METHOD, choices=METHODS, help=f"score (default {DEFAULT_METHOD})"
+    )
+    p.add_argument("--mode", default="exact", choices=MODES, help="decomposition mode (default exact)")
+    p.add_argument(
+        "--aggregation", default="minmax", choices=AGGREGATIONS, help="hidden attention only (default minmax)"
+    )
     p.add_argument("--layers", default=None, help="layer indices, e.g. '0 3' (default: all)")
-    p.add_argument("--rows", default="all", choices=("all", "last"), help="every target row or the last")
+    p.add_argument(
+        "--rows",
+        default="all",
+        choices=("all", "last"),
+        help="every target row or each prompt's last (default all)",
+    )
     p.add_argument("--batch-size", type=positive_int, default=8, help="prompts per batch (default 8)")
     p.add_argument("--max-length", type=positive_int, default=None, help="longer prompts are bad lines")
-    p.add_argument("--on-bad-line", default="fail", choices=("skip", "fail"))
-    p.add_argument("--impl", default="auto", choices=IMPLS)
+    p.add_argument(
+        "--on-bad-line",
+        default="fail",
+        choices=("skip", "fail"),
+        help="a bad input line: stop before computing (fail, default) or warn and skip it",
+    )
+    p.add_argument(
+        "--impl", default="auto", choices=IMPLS, help="kernels: auto (Pallas on TPU/GPU, else XLA; default)"
+    )
     p.add_argument(
         "--precision",
         default="float32",

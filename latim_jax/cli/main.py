@@ -19,14 +19,17 @@ import numpy as np
 
 from latim_jax.cli import check, info
 from latim_jax.cli.args import (
+    DEFAULT_METHOD,
     EXIT_CODES_HELP,
     EXIT_FAILED,
     EXIT_OK,
     EXIT_USAGE,
+    MODEL_HELP,
     Parser,
     RunFailed,
     UsageError,
     check_outputs,
+    check_suffix,
     load_model,
     nonnegative_float,
     nonnegative_int,
@@ -47,6 +50,7 @@ from latim_jax.latim.kinds import MODES
 from latim_jax.latim.memory import InsufficientMemoryError, human
 from latim_jax.latim.scores import METHODS, PRECISIONS
 from latim_jax.model import generate as generation
+from latim_jax.parallel.context import IMPLS
 from latim_jax.tasks import registry, vocab
 
 __all__ = [
@@ -60,6 +64,11 @@ __all__ = [
     "main",
 ]
 
+DESCRIPTION = """LaTIM token-to-token attribution for Mamba models.
+
+commands: attribute (one prompt: scores, a figure, an HTML view), attribute-dataset (every prompt of
+a file, resumable), info, generate, evaluate (the task experiments), convert, check (against
+transformers). Run 'latim-jax COMMAND --help' for each one's options."""
 DTYPES = ("float32", "bfloat16", "float16")  # parameter dtypes `convert` casts to
 CHECK_TOLERANCE = 1e-4
 
@@ -224,8 +233,15 @@ def cmd_attribute(args):
         except ValueError as err:
             raise UsageError(f"--plot: {err}") from err
     check_outputs({"--out": args.out, "--plot": args.plot, "--html": args.html}, args.force)
+    check_suffix("--out", args.out, (".npz",))
+    check_suffix("--html", args.html, (".html", ".htm"))
     layers = parse_ints(args.layers, "--layers") if args.layers else None
-    rows = parse_ints(args.rows, "--rows") if args.rows else None
+    rows = None
+    if args.rows:
+        rows = [-1] if args.rows.strip() == "last" else parse_ints(args.rows, "--rows")
+        repeated = sorted({r for r in rows if rows.count(r) > 1})
+        if repeated:
+            raise UsageError(f"--rows names position(s) {repeated} more than once")
     plot_layers = parse_ints(args.plot_layers, "--plot-layers") if args.plot_layers else None
     model = load_model(args.model)
     n = model.config.n_layers
@@ -233,6 +249,8 @@ def cmd_attribute(args):
     if plot_layers is not None and any(not -n <= k < n or k % n not in computed for k in plot_layers):
         raise UsageError(f"--plot-layers {plot_layers} must be among the scored layers {computed}")
     ids, labels = _prompt(model, args, default=lambda m: default_prompt(m, args.seed))
+    if args.text is None and args.tokens is None and args.text_file is None and args.tokens_file is None:
+        print(f"prompt (the task's default, --seed {args.seed}): {' '.join(labels)}")
     extra = {} if args.aggregation is None else {"aggregation": args.aggregation}
     try:
         result = _api_call(
@@ -244,6 +262,7 @@ def cmd_attribute(args):
             layers=layers,
             rows=rows,
             precision=args.precision,
+            impl=args.impl,
             **extra,
         )
     except TypeError as err:
@@ -251,7 +270,8 @@ def cmd_attribute(args):
             raise UsageError("--aggregation needs a latim-jax whose attribute() takes aggregation=") from err
         raise
     result.save(args.out)
-    print(f"wrote {args.out}: {args.method} scores ({args.mode} mode), shape {tuple(result.scores.shape)}")
+    mode = "" if args.method in ("hidden_attention", "grad_input") else f" ({args.mode} mode)"
+    print(f"wrote {args.out}: {args.method} scores{mode}, shape {tuple(result.scores.shape)}")
     _pictures(args, model, result, labels, plot_layers)
     if "approximation_error" in result.extra:
         err = ", ".join(f"{e:.3f}" for e in np.asarray(result.extra["approximation_error"])[0])
@@ -329,12 +349,12 @@ def _common():
 
 def build_parser() -> Parser:
     """The argument parser of ``latim-jax``."""
-    p = Parser(prog="latim-jax", description=__doc__, epilog=EXIT_CODES_HELP)
+    p = Parser(prog="latim-jax", description=DESCRIPTION, epilog=EXIT_CODES_HELP)
     p.formatter_class = RawDescriptionHelpFormatter
     p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     common = [_common()]
-    model_help = "shipped name (copy-mamba1, copy-mamba2, mqar-mamba1, mqar-mamba2), directory or hub id"
+    model_help = MODEL_HELP
 
     c = sub.add_parser("convert", parents=common, help="convert a checkpoint into latim-jax's orbax format")
     c.add_argument(
@@ -372,7 +392,9 @@ def build_parser() -> Parser:
     a.add_argument("--tokens", default=None, help="token ids, e.g. '3 5 7' (default: a prompt of the task)")
     a.add_argument("--text-file", default=None, help="read the prompt text from a file ('-': stdin)")
     a.add_argument("--tokens-file", default=None, help="read the token ids from a file ('-': stdin)")
-    a.add_argument("--method", default="l2", choices=METHODS, help="score (default l2)")
+    a.add_argument(
+        "--method", default=DEFAULT_METHOD, choices=METHODS, help=f"score (default {DEFAULT_METHOD})"
+    )
     a.add_argument("--mode", default="exact", choices=MODES, help="decomposition mode (default exact)")
     a.add_argument(
         "--aggregation",
@@ -387,7 +409,14 @@ def build_parser() -> Parser:
         help="the score path's projection: bfloat16 = bf16 operands, fp32 accumulation (default float32)",
     )
     a.add_argument("--layers", default=None, help="layers to score, e.g. '0 3' (default all)")
-    a.add_argument("--rows", default=None, help="target positions to score, e.g. '-1' (default all)")
+    a.add_argument(
+        "--rows",
+        default=None,
+        help="target positions to score, e.g. '0 5' or '-1' (from the end), or 'last' (default all)",
+    )
+    a.add_argument(
+        "--impl", default="auto", choices=IMPLS, help="kernels: auto (Pallas on TPU/GPU, else XLA; default)"
+    )
     a.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the default prompt")
     a.add_argument("--out", default="attribution.npz", help="scores file (.npz, default attribution.npz)")
     a.add_argument(

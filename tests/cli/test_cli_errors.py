@@ -287,3 +287,58 @@ def test_write_errors_name_the_users_path(tmp_path):
         write_bytes_atomic(target, b"data")
     assert ".tmp-" not in str(err.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]  # no temporary file left
+
+
+def test_help_names_every_shipped_model_and_every_default(capsys):
+    """--model's help lists every shipped model; attribute-dataset's options each have a help text
+    with the default; the top-level help lists every command in plain text; the default method is
+    the same for attribute, attribute-dataset and the API."""
+    import inspect
+
+    import latim_jax
+    from latim_jax.io.loading import SHIPPED
+
+    assert main(["attribute", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert all(name in out.replace("- ", "-") for name in SHIPPED), out
+    assert main(["attribute-dataset", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for flag, default in [
+        ("--method", "alti"),
+        ("--mode", "exact"),
+        ("--on-bad-line", "fail"),
+        ("--impl", "auto"),
+    ]:
+        assert f"(default {default})" in out.split(flag + " {")[1].split(" --")[0] or "default)" in out, flag
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "attribute-dataset" in out.split("positional arguments")[0] and "``" not in out
+    parser = cli.build_parser()
+    api = inspect.signature(latim_jax.attribute).parameters["method"].default
+    assert parser.parse_args(["attribute"]).method == api
+    assert parser.parse_args(["attribute-dataset", "--input", "x", "--out", "y"]).method == api
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--rows", "2 2"], ["--rows", "[2] more than once"]),
+        (["--out", "out.txt"], ["--out 'out.txt' must end in .npz"]),
+        (["--html", "o.png"], ["--html 'o.png' must end in .html or .htm"]),
+    ],
+)
+def test_attribute_outputs_and_rows_are_checked(here, capsys, no_compute, argv, words):
+    rc, err = run(["attribute", "--model", "ck", "--tokens", "1 2 3"] + argv, capsys)
+    assert rc == EXIT_USAGE and all(w in err for w in words), err
+
+
+def test_attribute_prints_the_default_prompt_and_the_mode_only_where_it_applies(
+    capsys, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    assert (
+        main(["attribute", "--model", "copy-mamba1", "--method", "hidden_attention", "--rows", "last"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "prompt (the task's default, --seed 0): t" in out and "<sep>" in out
+    assert "hidden_attention scores, shape (1, 2, 1," in out and "mode" not in out.split("wrote")[1]
