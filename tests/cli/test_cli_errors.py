@@ -5,7 +5,6 @@ Relative paths throughout (tests run in tmp_path)."""
 from __future__ import annotations
 
 import json
-import time
 
 import numpy as np
 import pytest
@@ -154,9 +153,8 @@ def test_shipped_name_typo_suggests_at_once_without_the_hub(here, capsys, monkey
     for name in ("snapshot_download", "model_info", "list_repo_files"):
         monkeypatch.setattr(huggingface_hub, name, no_hub)
     for typo, suggestion in [("copy-mamba3", "copy-mamba2"), ("copy_mamba2", "copy-mamba2"), ("mqar", "")]:
-        start = time.monotonic()
         rc, err = run(["attribute", "--model", typo, "--tokens", "1"], capsys)
-        assert rc == EXIT_USAGE and time.monotonic() - start < 5
+        assert rc == EXIT_USAGE
         assert f"'{suggestion}'" in err if suggestion else "shipped models: copy-mamba1" in err
         assert "owner/name" in err
 
@@ -175,9 +173,8 @@ def test_mistyped_local_path_does_not_reach_the_hub(here, capsys, monkeypatch):
 
 def test_hub_id_fails_fast_and_clearly_offline(here, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    start = time.monotonic()
     rc, err = run(["info", "latim-jax-tests/no-such-model"], capsys)
-    assert rc == EXIT_USAGE and time.monotonic() - start < 10
+    assert rc == EXIT_USAGE
     assert "latim-jax-tests/no-such-model" in err and "offline" in err and "local" in err
 
 

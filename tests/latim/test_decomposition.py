@@ -148,3 +148,23 @@ def test_scores_and_rollouts_match_torch_reference(case, method, mode, aggregati
     for b in range(B):
         want = torch_latim.rollout(maps[b], method, direct=direct[b], alti=None if alti is None else alti[b])
         assert rel_err(R[b], want.numpy()) < TOL["rollout"], (name, method, mode, b)
+
+
+@pytest.mark.parametrize("method, mode, aggregation", CASES, ids=[f"{m}-{o}-{a}" for m, o, a in CASES])
+def test_far_tiles_match_torch_reference(case, method, mode, aggregation):
+    """At L = 11 the default tiles cover the whole map in one; with 4 x 4 tiles the far tiles (every
+    source before every target: rows 8-10 x columns 0-3, ...) take the factorised path, and Mamba-1's
+    few-row and direct-form branches run on a row subset: each against the float64 reference."""
+    name, _, model, tokens, seen, _, _ = case
+    options = {"aggregation": aggregation} if aggregation else {}
+    maps, _ = _reference_maps(case, method, mode, aggregation)
+    tiles = latim_jax.Blocks(rows=4, cols=4, m1_direct_rows=2, m1_few_rows=2)
+    for rows in (None, [10, 9, 3]):
+        result = latim_jax.attribute(
+            model, tokens, method=method, mode=mode, rows=rows, blocks=tiles, **options
+        )
+        for b in range(B):
+            for layer in range(len(seen)):
+                want = maps[b][layer].numpy()[slice(None) if rows is None else rows]
+                got = result.scores[b, layer]
+                assert rel_err(got, want) < TOL["score"], (name, method, mode, b, layer, rows)

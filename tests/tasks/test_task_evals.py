@@ -47,7 +47,8 @@ def test_alignment_report_matches_a_direct_computation():
         assert report["rows"]["LaTIM l2 (exact)"]["layers"][layer] == pytest.approx(want)
     assert report["oracle"] == pytest.approx(align.aer(align.oracle(links), links.sure, links.possible))
     assert 0.0 < report["oracle"] < 0.2 < report["random"] < 1.0
-    assert 0.0 <= report["token_accuracy"] <= 1.0
+    pred = np.asarray(model(batch.tokens)).argmax(-1)  # one forward, not the report's chunks
+    assert report["token_accuracy"] == pytest.approx(float((pred == batch.targets)[batch.loss_mask].mean()))
     json.dumps(report)
     table = ea.format_table(report)
     assert "| LaTIM l2 (exact) |" in table and "0.44-0.52" in table and "gold argmax" in table
@@ -74,8 +75,17 @@ def test_method_rows_and_their_layer_aggregates():
     assert [m[3]["aggregation"] for m in chosen] == ["minmax", "abs", "signed"]
     report = ea.evaluate_alignment(tiny(ALIGN), n_sentences=8, batch_size=8, methods=chosen)
     assert list(report["rows"]) == [m[0] for m in chosen]
-    for r in report["rows"].values():
-        assert all(0.0 <= x <= 1.0 for x in r["layers"] + [r["aggregate"]] + r["own"]["layers"])
+    batch8, links8 = ea.held_out(ALIGN, 8, 10_000)  # the abs row's rollout, scored directly
+    res = mt.run(
+        tiny(ALIGN),
+        batch8.tokens,
+        chosen[1],
+        mask=np.arange(batch8.tokens.shape[1])[None] < batch8.lengths[:, None],
+    )
+    pred = align.extract(align.source_scores(np.asarray(res.rollout()), links8), links8)
+    assert report["rows"][chosen[1][0]]["aggregate"] == pytest.approx(
+        align.aer(pred, links8.sure, links8.possible)
+    )
     # the rows-only aggregate (long inputs): row-normalised |maps| summed, signed maps summed as they are
     batch, _ = ea.held_out(ALIGN, 2, 0)
     for row in chosen[1:]:
@@ -96,15 +106,19 @@ def test_needle_report_on_query_rows():
         model, lengths=(40,), settings={"multi": (2, 2)}, n_sequences=4, batch_size=4, methods=l2
     )
     (e,) = report["results"]
-    assert (e["length"], e["setting"]) == (40, "multi") and 0.0 <= e["accuracy"] <= 1.0
-    for gold in en.GOLDS:
-        row = e["rows"]["LaTIM l2 (exact)"][gold]
-        assert len(row["layers"]) == 2 and row["layers"][0]["n_rows"] == 4 * 2
-        assert 0.0 <= row["aggregate"]["auc"] <= 1.0
-    # the value gold is the key gold + 1: R@1 of a map that is one-hot on key + 1
+    assert (e["length"], e["setting"]) == (40, "multi")
     t = en.setting_task(NEEDLE, 40, 2, 2)
     b = needle.make_batch(t, 4, np.random.default_rng([10_000, 40, 2]))
     rows = needle.query_rows(t)
+    pred = np.asarray(model(b.tokens)).argmax(-1)[:, rows]  # the answers at the query rows, directly
+    assert e["accuracy"] == pytest.approx(float((pred == b.targets[:, rows]).mean()))
+    direct = np.asarray(latim_jax.attribute(model, b.tokens, "l2", rows=rows, target=b.targets).scores)
+    for gold in en.GOLDS:
+        row = e["rows"]["LaTIM l2 (exact)"][gold]
+        assert len(row["layers"]) == 2 and row["layers"][0]["n_rows"] == 4 * 2
+        want = en._score(direct[:, 0], en._gold(b, rows, gold), rows)
+        assert row["layers"][0]["auc"] == pytest.approx(want["auc"])
+    # the value gold is the key gold + 1: R@1 of a map that is one-hot on key + 1
     onehot = np.arange(40)[None, None] == (b.gold[:, rows] + 1)[..., None]
     assert en._score(onehot.astype(float), en._gold(b, rows, "value"), rows)["recall@1"] == 1.0
     assert en._score(onehot.astype(float), en._gold(b, rows, "key"), rows)["recall@1"] == 0.0

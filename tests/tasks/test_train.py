@@ -48,7 +48,7 @@ def test_loss_falls(trained):
     _, result = trained
     first, last = np.mean(result.losses[:5]), np.mean(result.losses[-5:])
     assert last < first - 0.3, (first, last)
-    assert result.final["step"] == STEPS and 0.0 <= result.final["token_accuracy"] <= 1.0
+    assert result.final["step"] == STEPS
 
 
 def test_same_seed_gives_identical_losses(trained):
