@@ -80,7 +80,7 @@ def _cmd_attribute_dataset(args) -> None:
         layers = None if layers is None else list(check_layers(layers, model.config.n_layers))
         prompts = read_prompts(
             args.input,
-            vocab_size=model.config.vocab_size,
+            vocab_size=model.config.n_tokens,
             tokenize=model_tokenizer(model),
             max_length=args.max_length,
             on_bad_line=args.on_bad_line,

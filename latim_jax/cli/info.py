@@ -40,7 +40,8 @@ def summary(model, path=None) -> str:
     lines.append(f"layers: {c.n_layers} x [RMSNorm, Mamba-{c.version} mixer] ({per_layer:,} parameters each)")
     lines.append(f"  mixer parameters: {shapes}")
     head = "tied to the embedding" if c.tie_embeddings else "separate lm_head"
-    lines.append(f"embedding: ({c.vocab_size}, {c.d_model}); output head {head}")
+    padded = "" if c.n_tokens == c.vocab_size else f" ({c.n_tokens} tokens, rows past them are padding)"
+    lines.append(f"embedding: ({c.vocab_size}, {c.d_model}){padded}; output head {head}")
     cfg = ", ".join(f"{k}={v}" for k, v in sorted(c.to_dict().items()))
     lines.append(f"config: {cfg}")
     lines.append(f"task: {_task(model.task)}")
@@ -65,17 +66,28 @@ def _task(task: dict | None) -> str:
 
 
 def _vocabulary(model) -> str:
+    n = model.config.n_tokens
     try:
         tok = vocab.load_tokenizer(model)
     except vocab.TokenizerError as err:
-        return f"vocabulary: {model.config.vocab_size} ids; {err}"
+        return f"vocabulary: {n} ids; {err}"
     if tok is None:
-        return f"vocabulary: {model.config.vocab_size} ids, no tokenizer (pass ids with --tokens)"
+        return f"vocabulary: {n} ids, no tokenizer (pass ids with --tokens)"
     directory = getattr(model, "tokenizer_dir", "")
     origin = "tokenizer.json" if directory else "the task's words (no tokenizer.json)"
-    n = model.config.vocab_size
     listing = vocab.describe(vocab.model_words(model) or [])
-    return f"vocabulary: {n} ids, from {origin}: {listing}"
+    text = f"vocabulary: {n} ids, from {origin}: {listing}"
+    size = tok.get_vocab_size(with_added_tokens=True)
+    if size > n:
+        text += (
+            f"\nwarning: the tokenizer has {size} tokens but the model only {n} ids: text with tokens "
+            f"past id {n - 1} is refused (is this the model's tokenizer?)"
+        )
+    elif size < n:
+        text += (
+            f"\nnote: the tokenizer has {size} tokens, the model {n} ids (ids {size}..{n - 1} have no word)"
+        )
+    return text
 
 
 def _bytes(n: int) -> str:

@@ -129,7 +129,7 @@ def _prompt(model, args, default=None) -> tuple[list[int], list[str]]:
     elif args.tokens is not None or getattr(args, "tokens_file", None) is not None:
         flag = "--tokens" if args.tokens is not None else "--tokens-file"
         ids = parse_ints(args.tokens if args.tokens is not None else _read_text(args.tokens_file, flag), flag)
-        n = model.config.vocab_size
+        n = model.config.n_tokens
         bad = [i for i in ids if not 0 <= i < n]
         if bad:
             raise UsageError(f"{flag}: token ids must lie in [0, {n}) (the vocabulary), found {bad[:5]}")

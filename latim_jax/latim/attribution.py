@@ -209,7 +209,7 @@ def attribute(
             layers=None if req.layers == tuple(range(model.config.n_layers)) else len(req.layers),
             top_k=top_k, out_dtype=out_dtype, stream=stream_to is not None, blocks=blocks,
         )  # fmt: skip
-    targets = check_targets(target, x.batch, x.length, model.config.vocab_size)
+    targets = check_targets(target, x.batch, x.length, model.config.n_tokens)
     result = _run(model, x, req, ctx, targets)
     if not is_traced(x.h):  # never inside a user's transformation
         bound_compiled_programs()

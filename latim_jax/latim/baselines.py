@@ -28,7 +28,7 @@ def grad_input_scores(model, h, layer: int, rows, targets, mask, ctx: Context = 
     causal and padding pairs are zeroed by :func:`latim_jax.latim.scores.finish_scores`."""
     _, vjp = jax.vjp(lambda x: logits_from_layer(model, x, layer, mask, ctx), h.astype(f32))
     b, length = h.shape[:2]
-    vocab = model.config.vocab_size
+    vocab = model.config.n_tokens
 
     def one_row(i):
         onehot = jax.nn.one_hot(targets[:, i], vocab, dtype=f32)  # (b, v)

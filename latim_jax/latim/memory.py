@@ -106,7 +106,7 @@ def estimate(
     f4 = 4
     params = sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for x in _leaves(model))
     if method in ("logit", "grad_input"):  # a forward first: every layer's input stream, and the head
-        streams = (c.n_layers + 1) * b * L * d * f4 + b * min(L, HEAD_CHUNK) * c.vocab_size * f4
+        streams = (c.n_layers + 1) * b * L * d * f4 + b * min(L, HEAD_CHUNK) * c.n_tokens * f4
     else:  # one pass over the layers: the stream entering the layer and the next one
         streams = 2 * b * L * d * f4
     in_width = 2 * e if c.version == 1 else 2 * e + 2 * groups * n + c.n_heads  # in_proj's output

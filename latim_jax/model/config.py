@@ -44,6 +44,13 @@ class MambaConfig:
     time_step_limit: tuple[float, float] = (0.0, math.inf)
     vocab_size_unpadded: int | None = None
 
+    @property
+    def n_tokens(self) -> int:
+        """The real vocabulary: ids in [0, n_tokens) are tokens, and the logits have n_tokens columns
+        (mamba_ssm pads the embedding to ``vocab_size`` rows, a multiple of 8 or 16: the rows past the
+        tokenizer's vocabulary are no token)."""
+        return self.vocab_size if self.vocab_size_unpadded is None else self.vocab_size_unpadded
+
     def __post_init__(self):
         if self.version not in (1, 2):
             raise ValueError(f"MambaConfig.version must be 1 or 2, found {self.version!r}")

@@ -150,13 +150,15 @@ class MambaLM(nnx.Module):
 
     @property
     def unembedding(self):
-        """The (v, d) output matrix (the embedding when tied)."""
-        return (self.lm_head if self.lm_head is not None else self.embedding)[...]
+        """The (n_tokens, d) output matrix (the embedding when tied): the rows of real tokens only
+        (:attr:`MambaConfig.n_tokens`; a padded embedding's extra rows make no logit)."""
+        w = (self.lm_head if self.lm_head is not None else self.embedding)[...]
+        return w if self.config.n_tokens == w.shape[0] else w[: self.config.n_tokens]
 
     def check_tokens(self, tokens):
         """Validate token ids (b, l) before any cast (see :func:`latim_jax.model.inputs.check_tokens`)
         and return them as an int32 array."""
-        return check_tokens(tokens, self.config.vocab_size)
+        return check_tokens(tokens, self.config.n_tokens)
 
     def prepare_inputs(
         self, tokens=None, mask=None, inputs_embeds=None, ctx: Context = XLA, *, bucket: bool = False
@@ -189,7 +191,7 @@ class MambaLM(nnx.Module):
             h = x
         else:  # eager off a mesh: the jitted form splits the whole model, ~10 ms per call for 24 layers
             h = self.embed(ids) if ctx.mesh is None else _embed(self, ids)
-        invalid = traced_invalid(ids, valid, self.config.vocab_size)
+        invalid = traced_invalid(ids, valid, self.config.n_tokens)
         if invalid is not None:  # values unknown at trace time: such a prompt's outputs become NaN
             h = jnp.where(invalid[:, None, None], jnp.nan, h)
         return Inputs(h=h, mask=valid, tokens=ids, batch=batch, length=length, given_mask=mask is not None)

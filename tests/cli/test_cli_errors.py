@@ -339,3 +339,15 @@ def test_attribute_prints_the_default_prompt_and_the_mode_only_where_it_applies(
     out = capsys.readouterr().out
     assert "prompt (the task's default, --seed 0): t" in out and "<sep>" in out
     assert "hidden_attention scores, shape (1, 2, 1," in out and "mode" not in out.split("wrote")[1]
+
+
+def test_info_warns_when_the_tokenizer_does_not_fit_the_model(here, capsys):
+    from latim_jax.tasks.vocab import word_tokenizer
+
+    words = [f"w{i}" for i in range(20)]  # the model has 12 ids
+    (here / "ck" / "tokenizer.json").write_text(word_tokenizer(words).to_str())
+    assert main(["info", "ck"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "warning: the tokenizer has 20 tokens but the model only 12 ids" in out
+    rc, err = run(["attribute", "--model", "ck", "--text", "w3 w15", "--out", "s.npz"], capsys)
+    assert rc == EXIT_USAGE and "[0, 12)" in err

@@ -111,8 +111,12 @@ def test_mamba_ssm_format_gives_same_logits(hf_dir, tmp_path):
         )
     )
     other = latim_jax.load(tmp_path)
+    n = cfg.vocab_size - 5  # the real vocabulary: ids past it are refused, and they make no logit
+    assert other.config.n_tokens == n and other.config.vocab_size >= n
     tokens = np.random.default_rng(3).integers(0, 40, (1, 9))
-    np.testing.assert_array_equal(np.asarray(other(tokens)), np.asarray(model(tokens)))
+    np.testing.assert_array_equal(np.asarray(other(tokens)), np.asarray(model(tokens))[..., :n])
+    with pytest.raises(ValueError, match=f"must lie in \\[0, {n}\\)"):
+        other(np.array([[1, n]]))
 
 
 def test_convert_cli_round_trip_is_bit_exact(hf_dir, tmp_path):
