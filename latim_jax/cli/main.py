@@ -69,6 +69,14 @@ DESCRIPTION = """LaTIM token-to-token attribution for Mamba models.
 commands: attribute (one prompt: scores, a figure, an HTML view), attribute-dataset (every prompt of
 a file, resumable), info, generate, evaluate (the task experiments), convert, check (against
 transformers). Run 'latim-jax COMMAND --help' for each one's options."""
+VALUE_LABELS = {  # what a map's colour shows, per method (the figure's legend)
+    "l2": "l2: ||T_i(x_j)||, how much source j moves into target i",
+    "l1": "l1: ||T_i(x_j)||_1, how much source j moves into target i",
+    "alti": "alti: source j's share of target i",
+    "logit": "logit: source j's push on target i's next-token logit",
+    "hidden_attention": "hidden attention of target i on source j",
+    "grad_input": "gradient x input: source j's effect on target i's next-token logit",
+}
 DTYPES = ("float32", "bfloat16", "float16")  # parameter dtypes `convert` casts to
 CHECK_TOLERANCE = 1e-4
 
@@ -288,22 +296,16 @@ def _pictures(args, model, result, labels, plot_layers):
     names = [f"layer {result.layers[k]}" for k in picked]
     rows = list(result.rows) if result.rows is not None else list(range(len(labels)))
     row_labels = [labels[r] for r in rows]
-    title = f"{model.source}: {args.method} ({args.mode})"
+    moded = args.method not in ("hidden_attention", "grad_input")
+    title = f"{model.source}: {args.method}" + (f" ({args.mode} mode)" if moded else "")
+    what = VALUE_LABELS.get(args.method, f"{args.method} score")
+    options = dict(row_labels=row_labels, rows=rows, title=title, layer_names=names, value_label=what,
+                   scale=args.scale)  # fmt: skip
     if args.plot:
-        plotting.heatmap_grid(
-            scores[picked],
-            labels,
-            args.plot,
-            row_labels=row_labels,
-            rows=rows,
-            title=title,
-            layer_names=names,
-        )
+        plotting.heatmap_grid(scores[picked], labels, args.plot, **options)
         print(f"wrote {args.plot}")
     if args.html:
-        plotting.html_view(
-            scores[picked], labels, args.html, title=title, layer_names=names, row_labels=row_labels
-        )
+        plotting.html_view(scores[picked], labels, args.html, **options)
         print(f"wrote {args.html}")
 
 
@@ -424,6 +426,12 @@ def build_parser() -> Parser:
     )
     a.add_argument("--plot-layers", default=None, help="layers drawn in --plot / --html (default all scored)")
     a.add_argument("--html", default=None, help="standalone HTML view with a layer slider")
+    a.add_argument(
+        "--scale",
+        default="linear",
+        choices=plotting.SCALES,
+        help="colour scale of --plot / --html: linear (default), log (small values visible), quantile",
+    )
     a.add_argument("--force", action="store_true", help="replace existing --out/--plot/--html files")
     a.set_defaults(func=cmd_attribute)
 

@@ -10,11 +10,13 @@ the CLI's ``--plot-layers`` when there are many.
 
 from __future__ import annotations
 
+import base64
 import html
 import io
 import json
 import math
 import os
+from pathlib import Path
 
 import numpy as np
 
@@ -24,6 +26,7 @@ DPI = 110
 MAX_PANEL_IN = 8.0  # one layer's panel, inches (square)
 MIN_PANEL_IN = 1.5
 MAX_FIGURE_IN = (16.0, 24.0)  # width, height of the whole grid, inches
+COLORBAR_IN = 1.2  # the colour bar's strip beside the panels, inches
 LABELS_PER_INCH = 8  # token labels drawn per inch of axis; more tokens than that are thinned
 # the figure formats --plot accepts (matplotlib writes each from the file's extension)
 FIGURE_FORMATS = ("png", "jpg", "jpeg", "gif", "tif", "tiff", "webp", "svg", "svgz", "pdf", "eps", "ps")
@@ -47,7 +50,7 @@ def panel_size(length: int, n_panels: int, max_cols: int = 4) -> tuple[int, int,
     cols = max(1, min(max_cols, n_panels))
     rows = -(-n_panels // cols)
     natural = max(3.0, 0.28 * length + 1.5)
-    side = min(natural, MAX_PANEL_IN, MAX_FIGURE_IN[0] / cols, MAX_FIGURE_IN[1] / rows)
+    side = min(natural, MAX_PANEL_IN, (MAX_FIGURE_IN[0] - COLORBAR_IN) / cols, MAX_FIGURE_IN[1] / rows)
     return rows, cols, max(side, MIN_PANEL_IN)
 
 
@@ -60,11 +63,60 @@ def _ticks(n: int, inches: float) -> tuple[list[int], float]:
     return list(range(0, n, step)), fontsize
 
 
-def heatmap_figure(scores, labels, *, row_labels=None, rows=None, title="", layer_names=None, max_cols=4):
+SCALES = ("linear", "log", "quantile")
+MASKED_COLOR = "#d9d9d9"  # cells with no score: source after target (j > i), padding
+LOG_FLOOR = 1e-3  # the log scale's linear range, a fraction of the largest |value|
+
+
+def colour_values(scores, scale: str = "linear") -> tuple[np.ndarray, bool, float]:
+    """(values in [-1, 1] or [0, 1] to colour, signed, the largest |score|) for ``scores`` with NaN
+    where there is no score. ``scale``: "linear" (value / max |value|), "log" (sign x log1p(|v| / f) /
+    log1p(1 / f), f = :data:`LOG_FLOOR` of the max: small values become visible) or "quantile" (the
+    rank of |v| among the finite cells: every colour used equally often). Signed when any score is
+    negative: then colours diverge from white at 0."""
+    if scale not in SCALES:
+        raise ValueError(f"scale must be one of {SCALES}, found {scale!r}")
+    s = np.asarray(scores, dtype=np.float64)
+    finite = np.isfinite(s)
+    top = float(np.abs(s[finite]).max()) if finite.any() else 0.0
+    signed = bool((s[finite] < 0).any())
+    if top == 0.0:
+        return np.where(finite, 0.0, np.nan), signed, top
+    a = np.abs(s) / top
+    if scale == "log":
+        a = np.log1p(a / LOG_FLOOR) / np.log1p(1.0 / LOG_FLOOR)
+    elif scale == "quantile":
+        order = np.sort(a[finite])
+        a = np.where(finite, np.searchsorted(order, np.where(finite, a, 0.0), side="right") / order.size, 0.0)
+    out = np.sign(s) * a if signed else a
+    return np.where(finite, out, np.nan), signed, top
+
+
+def causal_nan(scores, rows=None) -> np.ndarray:
+    """``scores`` (n, R, L) with NaN where no score exists: source j after target row position
+    (``rows``: the R rows' positions, default 0 .. R-1)."""
+    s = np.array(scores, dtype=np.float32)
+    n, R, L = s.shape
+    positions = np.arange(R) if rows is None else np.asarray(rows)
+    s[:, np.arange(L)[None, :] > positions[:, None]] = np.nan
+    return s
+
+
+def heatmap_figure(
+    scores, labels, *, row_labels=None, rows=None, title="", layer_names=None, max_cols=4,
+    value_label="score", scale="linear",
+):  # fmt: skip
     """A matplotlib Figure: one panel per map of ``scores`` (n_layers, R, L), source labels
     ``labels`` (L) on the x axis and ``row_labels`` (R; default ``labels``, which needs R == L) on
-    the y axis; ``rows`` (R) the positions of the rows (default 0 .. R-1), shown beside thinned
-    labels. Bounded size (see the module docstring)."""
+    the y axis; ``rows`` (R) the positions of the rows (a subset is labelled "position:token").
+
+    One colour scale for every panel, with a colour bar saying what it shows (``value_label``):
+    diverging (blue < 0, white 0, red > 0) when any score is negative, sequential (white 0 to dark)
+    otherwise; cells after the target (j > i) are grey, not a colour of the scale. ``scale``:
+    "linear", "log" or "quantile" (:func:`colour_values`). Bounded size (module docstring). The
+    panels' axes are ``fig.panels``."""
+    from matplotlib import colormaps
+    from matplotlib.colors import ListedColormap, Normalize
     from matplotlib.figure import Figure  # no pyplot: no global figure state, no backend switch
 
     scores = np.asarray(scores, dtype=np.float32)
@@ -76,33 +128,59 @@ def heatmap_figure(scores, labels, *, row_labels=None, rows=None, title="", laye
         raise ValueError(
             f"{len(labels)} source labels and {len(row_labels)} row labels for maps of shape {(R, L)}"
         )
+    subset = rows is not None and list(rows) != list(range(R))
     positions = list(range(R)) if rows is None else [int(r) for r in rows]
-    rows, cols, side = panel_size(L, n, max_cols)
-    fig = Figure(figsize=(side * cols, side * rows + (0.4 if title else 0.0)), dpi=DPI)
-    axes = fig.subplots(rows, cols, squeeze=False)
+    values, signed, top = colour_values(causal_nan(scores, positions), scale)
+    cmap = ListedColormap(colormaps["RdBu_r" if signed else "Blues"](np.linspace(0, 1, 256)))
+    cmap = cmap.with_extremes(bad=MASKED_COLOR)
+    norm = Normalize(-1.0 if signed else 0.0, 1.0)
+    grid_rows, cols, side = panel_size(L, n, max_cols)
+    fig = Figure(figsize=(side * cols + COLORBAR_IN, side * grid_rows + (0.5 if title else 0.0)), dpi=DPI,
+                 layout="constrained")  # fmt: skip
+    axes = fig.subplots(grid_rows, cols, squeeze=False)
     x_ticks, x_font = _ticks(L, side)
     y_ticks, y_font = _ticks(R, side)
+    panels, image = [], None
     for k, ax in enumerate(axes.flat):
         if k >= n:
             ax.axis("off")
             continue
-        ax.imshow(scores[k], cmap="viridis", interpolation="antialiased", aspect="auto")
+        image = ax.imshow(values[k], cmap=cmap, norm=norm, interpolation="nearest", aspect="auto")
         ax.set_title(layer_names[k] if layer_names else f"layer {k}", fontsize=10)
         ax.set_xticks(x_ticks)
         ax.set_xticklabels(_tick_labels(labels, x_ticks, range(L)), rotation=90, fontsize=x_font)
         ax.set_yticks(y_ticks)
-        ax.set_yticklabels(_tick_labels(row_labels, y_ticks, positions), fontsize=y_font)
+        ax.set_yticklabels(_tick_labels(row_labels, y_ticks, positions, always=subset), fontsize=y_font)
         ax.set_xlabel("source token j" + _thinned(x_ticks, L), fontsize=8)
-        ax.set_ylabel("target position i" + _thinned(y_ticks, R), fontsize=8)
+        y_name = "target token i (position:token)" if subset else "target token i"
+        ax.set_ylabel(y_name + _thinned(y_ticks, R), fontsize=8)
+        panels.append(ax)
+    bar = fig.colorbar(image, ax=panels, shrink=0.8)
+    bar.set_label(_legend_text(value_label, scale, signed, top), fontsize=8)
+    bar.set_ticks([-1.0, 0.0, 1.0] if signed else [0.0, 1.0])
+    bar.set_ticklabels(_bar_ticks(scale, signed, top))
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
+    fig.panels = panels
     return fig
 
 
-def _tick_labels(labels, ticks: list[int], positions) -> list[str]:
-    """The labels at ``ticks``; when only every n-th is shown, prefixed with the position ("40:t7")."""
-    if len(ticks) == len(labels):
+def _legend_text(value_label: str, scale: str, signed: bool, top: float) -> str:
+    colours = "blue < 0 < red" if signed else "white 0 to dark"
+    how = {"linear": "linear", "log": "log scale", "quantile": "quantile of |value|"}[scale]
+    return f"{value_label} ({how}; {colours}; grey: no score, source after target)"
+
+
+def _bar_ticks(scale: str, signed: bool, top: float) -> list[str]:
+    if scale == "quantile":
+        return ["100% (neg.)", "0", "100%"] if signed else ["0", "100%"]
+    return [f"{-top:.3g}", "0", f"{top:.3g}"] if signed else ["0", f"{top:.3g}"]
+
+
+def _tick_labels(labels, ticks: list[int], positions, always: bool = False) -> list[str]:
+    """The labels at ``ticks``; prefixed with the position ("40:t7") when only every n-th is shown
+    or ``always`` (a row subset)."""
+    if len(ticks) == len(labels) and not always:
         return [str(labels[k]) for k in ticks]
     return [f"{positions[k]}:{labels[k]}" for k in ticks]
 
@@ -118,60 +196,104 @@ def save_figure(fig, path) -> None:
     write_bytes_atomic(path, buf.getvalue())
 
 
-def heatmap_grid(scores, labels, path, *, row_labels=None, rows=None, title="", layer_names=None, max_cols=4):
+def heatmap_grid(
+    scores, labels, path, *, row_labels=None, rows=None, title="", layer_names=None, max_cols=4,
+    value_label="score", scale="linear",
+):  # fmt: skip
     """Write a grid of (n_layers, R, L) score maps with token labels on both axes to ``path`` (its
     extension picks the format: .png, .jpg, .svg, .pdf, ...). ``row_labels``: the R target rows'
-    labels (default ``labels``, for R == L); ``rows``: their positions (see :func:`heatmap_figure`)."""
+    labels (default ``labels``, for R == L); ``rows``: their positions; ``value_label``, ``scale``:
+    what the colour bar says and the colour scale (see :func:`heatmap_figure`)."""
     figure_format(path)  # refuse an unknown extension before drawing
     fig = heatmap_figure(
-        scores,
-        labels,
-        row_labels=row_labels,
-        rows=rows,
-        title=title,
-        layer_names=layer_names,
-        max_cols=max_cols,
-    )
+        scores, labels, row_labels=row_labels, rows=rows, title=title, layer_names=layer_names,
+        max_cols=max_cols, value_label=value_label, scale=scale,
+    )  # fmt: skip
     save_figure(fig, path)
 
 
-_HTML = """<!doctype html><html><head><meta charset="utf-8"><title>{title}</title>
-<style>body{{font-family:sans-serif;margin:16px}} table{{border-collapse:collapse}}
-td{{width:22px;height:22px;padding:0}} th{{font-size:11px;font-weight:normal;padding:2px}}
-th.col{{writing-mode:vertical-rl;transform:rotate(180deg)}}</style></head><body>
-<h3>{title}</h3><label>layer <input id="layer" type="range" min="0" max="{last}" value="{last}">
-<span id="name"></span></label><div id="map"></div>
-<script>
-const data = {data};
-function draw() {{
-  const k = +document.getElementById('layer').value;
-  document.getElementById('name').textContent = data.names[k];
-  const m = data.scores[k], lab = data.labels, rows = data.row_labels;
-  let mx = 0; for (const r of m) for (const v of r) mx = Math.max(mx, Math.abs(v));
-  let h = '<table><tr><th></th>' + lab.map(t => '<th class="col">' + t + '</th>').join('') + '</tr>';
-  m.forEach((r, i) => {{
-    h += '<tr><th>' + rows[i] + '</th>' + r.map((v, j) => {{
-      const a = mx > 0 ? Math.abs(v) / mx : 0;
-      return '<td title="' + rows[i] + ' <- ' + lab[j] + ': ' + v.toPrecision(3) +
-             '" style="background:rgba(40,80,200,' + a.toFixed(3) + ')"></td>';
-    }}).join('') + '</tr>';
-  }});
-  document.getElementById('map').innerHTML = h + '</table>';
-}}
-document.getElementById('layer').oninput = draw; draw();
-</script></body></html>
-"""
+HTML_CELL_BUDGET = 4_000_000  # map cells one HTML page holds (about 2.7 bytes each): ~11 MB at most
+
+VIEWER = Path(__file__).with_name("viewer.html")  # the page; __NAME__ placeholders filled in below
 
 
-def html_view(scores, labels, path, *, title="latim-jax attribution", layer_names=None, row_labels=None):
-    """Write a standalone HTML page: one map per layer, a slider to pick the layer, token labels."""
+def _pool(scores: np.ndarray, factor: int) -> np.ndarray:
+    """(n, R, L) -> (n, ceil(R / f), ceil(L / f)): per f x f block the value of largest |value| (sign
+    kept), NaN where the block holds no score."""
+    n, R, L = scores.shape
+    r, c = -(-R // factor), -(-L // factor)
+    padded = np.full((n, r * factor, c * factor), np.nan, np.float32)
+    padded[:, :R, :L] = scores
+    blocks = padded.reshape(n, r, factor, c, factor).transpose(0, 1, 3, 2, 4).reshape(n, r, c, -1)
+    mag = np.where(np.isnan(blocks), -1.0, np.abs(blocks))
+    pick = np.take_along_axis(blocks, mag.argmax(-1)[..., None], -1)[..., 0]
+    return np.where((mag >= 0).any(-1), pick, np.nan)
+
+
+def html_view(
+    scores, labels, path, *, title="latim-jax attribution", layer_names=None, row_labels=None, rows=None,
+    value_label="score", scale="linear",
+):  # fmt: skip
+    """Write a standalone HTML page of (n_layers, R, L) maps: a canvas per map drawn from the data
+    (stored once, as float16 relative to the largest |value|), a layer switch, a colour-scale switch
+    (linear / log / quantile; ``scale`` the initial one), a colour legend saying what the colour
+    means, and hover text naming the target's and source's positions and tokens and the value.
+
+    Bounded size: past :data:`HTML_CELL_BUDGET` cells the maps are pooled (each cell then a square
+    block of positions, showing its largest |value|; the page says so). ``rows``: the R rows'
+    positions (default 0 .. R-1); cells after the target are grey. ``#layer=K&scale=log&hover=I,J`` in
+    the address opens that view."""
+    if scale not in SCALES:
+        raise ValueError(f"scale must be one of {SCALES}, found {scale!r}")
     scores = np.asarray(scores, dtype=np.float32)
-    n = scores.shape[0]
+    n, R, L = scores.shape
+    positions = list(range(R)) if rows is None else [int(r) for r in rows]
+    row_labels = list(labels) if row_labels is None else list(row_labels)
+    values = causal_nan(scores, positions)
+    finite = np.isfinite(values)
+    top = float(np.abs(values[finite]).max()) if finite.any() else 0.0
+    signed = bool((values[finite] < 0).any())
+    factor = max(1, math.ceil(math.sqrt(n * R * L / HTML_CELL_BUDGET)))
+    if factor > 1:
+        values = _pool(values, factor)
+    rel = (values / top if top > 0 else np.where(np.isfinite(values), 0.0, np.nan)).astype(np.float16)
+    span = lambda names, pos, k: _span_label(names, pos, k, factor)  # noqa: E731
     data = {
-        "scores": np.round(scores, 6).tolist(),
-        "labels": [html.escape(str(t)) for t in labels],
-        "row_labels": [html.escape(str(t)) for t in (row_labels or labels)],
+        "maps": [base64.b64encode(m.astype("<f2").tobytes()).decode() for m in rel],
+        "shape": list(rel.shape[1:]),
+        "rows": [span(row_labels, positions, k) for k in range(rel.shape[1])],
+        "cols": [span(list(labels), list(range(L)), k) for k in range(rel.shape[2])],
         "names": list(layer_names or [f"layer {k}" for k in range(n)]),
+        "signed": signed,
+        "top": top,
+        "pool": factor,
+        "value_label": value_label,
     }
-    page = _HTML.format(title=html.escape(title), last=n - 1, data=json.dumps(data))
+    pooled = (
+        f"each cell is a block of {factor} x {factor} positions showing its largest |value| (ask for "
+        "fewer rows or layers to see single tokens)"
+        if factor > 1
+        else "one cell per token pair"
+    )
+    fill = {
+        "__TITLE__": html.escape(title), "__LAST__": str(n - 1), "__POOLED__": pooled,
+        "__FLOOR__": repr(LOG_FLOOR), "__DATA__": json.dumps(data).replace("</", "<\\/"),
+    }  # fmt: skip
+    page = VIEWER.read_text(encoding="utf-8")
+    for key, value in fill.items():  # the data last: nothing inside it is replaced
+        page = page.replace(key, value)
+    page = page.replace("<option>" + scale + "</option>", "<option selected>" + scale + "</option>")
     write_bytes_atomic(path, page.encode())
+
+
+def _span_label(names, positions, k: int, factor: int) -> str:
+    """The hover/axis label of pooled index k: "position:token", or "first-last" positions of a block."""
+    if factor == 1:
+        return f"{positions[k]}:{_readable(names[k])}"
+    lo, hi = k * factor, min(len(names), (k + 1) * factor) - 1
+    return f"{positions[lo]}-{positions[hi]}"
+
+
+def _readable(token) -> str:
+    """A token as a person reads it: escaped for HTML."""
+    return html.escape(str(token))

@@ -107,7 +107,17 @@ def encode(model, text: str) -> tuple[list[int], list[str]]:
     except ValueError as err:
         vocab = describe(model_words(model) or [])
         raise ValueError(f"{err} (this model's vocabulary: {vocab}); or pass ids with --tokens") from None
-    return list(enc.ids), list(enc.tokens)
+    return list(enc.ids), [_label(tok, i, t) for i, t in zip(enc.ids, enc.tokens, strict=True)]
+
+
+def _label(tok, i: int, token: str | None) -> str:
+    """A token as a reader sees it: decoded where the tokenizer has a decoder (byte-level BPE's
+    ``Ġcat`` is `` cat``), else its vocabulary entry, else the id."""
+    if tok.decoder is not None:
+        text = tok.decode([int(i)])
+        if text:
+            return text
+    return token or str(int(i))
 
 
 def encoder(model):
@@ -135,7 +145,7 @@ def labels(model, ids) -> list[str]:
     tok = load_tokenizer(model)
     if tok is None:
         return [str(int(i)) for i in ids]
-    return [tok.id_to_token(int(i)) or str(int(i)) for i in ids]
+    return [_label(tok, i, tok.id_to_token(int(i))) for i in ids]
 
 
 def _is_word_level(tok) -> bool:

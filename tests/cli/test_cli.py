@@ -91,10 +91,10 @@ def test_task_model_takes_text_in_its_vocabulary_and_labels_rows_by_position(her
     argv = ["attribute", "--model", "copy", "--tokens", "5 6 7 8 0 5 6 7 8", "--rows", "0 1 2"]
     assert main(argv + ["--out", "b.npz", "--plot", "b.png", "--html", "b.html"]) == 0
     (fig,) = drawn
-    for ax in fig.axes:
+    for ax in fig.panels:
         assert [t.get_text() for t in ax.get_yticklabels()] == ["t5", "t6", "t7"]
         assert [t.get_text() for t in ax.get_xticklabels()][:5] == ["t5", "t6", "t7", "t8", "<sep>"]
-    assert '"row_labels": ["t5", "t6", "t7"]' in (here / "b.html").read_text()
+    assert '"rows": ["0:t5", "1:t6", "2:t7"]' in (here / "b.html").read_text()
 
 
 def test_text_with_unknown_words_explains_the_vocabulary(here, capsys):
@@ -120,7 +120,7 @@ def test_plot_layers_selects_panels(here, monkeypatch):
     monkeypatch.setattr(plotting, "save_figure", lambda fig, path: drawn.append(fig))
     argv = ["attribute", "--model", "without", "--tokens", "1 2 3", "--out", "a.npz", "--plot", "a.png"]
     assert main(argv + ["--plot-layers", "1"]) == 0
-    assert [ax.get_title() for ax in drawn[0].axes] == ["layer 1"]
+    assert [ax.get_title() for ax in drawn[0].panels] == ["layer 1"]
     assert main(argv + ["--force", "--layers", "0", "--plot-layers", "1"]) == 2  # layer 1 not scored
 
 

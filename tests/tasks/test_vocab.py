@@ -116,3 +116,26 @@ def test_describe_elides_long_vocabularies():
     long = [f"w{i}" for i in range(100)]
     text = vocab.describe(long)
     assert text.startswith("0=w0 1=w1") and "(72 more)" in text and text.endswith("99=w99")
+
+
+def test_byte_level_labels_are_shown_decoded(tmp_path):
+    """A byte-level BPE tokenizer's entries read "Ġcat"; the labels of figures and the CLI show what
+    the text holds, " cat"."""
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from latim_jax.tasks import vocab
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok.train_from_iterator(
+        ["the cat sat on the mat"] * 20, trainers.BpeTrainer(vocab_size=300, initial_alphabet=alphabet)
+    )
+    tok.save(str(tmp_path / "tokenizer.json"))
+    model = SimpleNamespace(tokenizer_dir=str(tmp_path), task=None, source="bpe")
+    ids, labels = vocab.encode(model, "the cat sat")
+    assert tok.encode("the cat sat").tokens[1] == "Ġcat"  # what the vocabulary holds
+    assert labels == ["the", " cat", " sat"] and vocab.labels(model, ids) == labels
