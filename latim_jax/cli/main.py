@@ -8,6 +8,7 @@ terminal (``--quiet`` turns them off).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -44,6 +45,7 @@ from latim_jax.convert.orbax_io import check_destination
 from latim_jax.io import plotting, progress
 from latim_jax.io.atomic import write_bytes_atomic
 from latim_jax.io.loading import resolve
+from latim_jax.io.results import ROLLOUT_METHODS
 from latim_jax.latim import attribution
 from latim_jax.latim.hidden_attention import AGGREGATIONS
 from latim_jax.latim.kinds import MODES
@@ -251,6 +253,11 @@ def cmd_attribute(args):
         if repeated:
             raise UsageError(f"--rows names position(s) {repeated} more than once")
     plot_layers = parse_ints(args.plot_layers, "--plot-layers") if args.plot_layers else None
+    if args.rollout and (args.method not in ROLLOUT_METHODS or layers or rows or plot_layers):
+        raise UsageError(
+            f"--rollout composes every layer of every row: it takes --method {' / '.join(ROLLOUT_METHODS)} "
+            "and neither --layers, --rows nor --plot-layers"
+        )
     model = load_model(args.model)
     n = model.config.n_layers
     computed = sorted({k % n for k in layers if -n <= k < n}) if layers else list(range(n))
@@ -277,6 +284,8 @@ def cmd_attribute(args):
         if extra and "aggregation" in str(err):
             raise UsageError("--aggregation needs a latim-jax whose attribute() takes aggregation=") from err
         raise
+    if args.rollout:  # saved beside the per-layer scores; the pictures show it alone
+        result = dataclasses.replace(result, extra={**result.extra, "rollout": result.rollout()})
     result.save(args.out)
     mode = "" if args.method in ("hidden_attention", "grad_input") else f" ({args.mode} mode)"
     print(f"wrote {args.out}: {args.method} scores{mode}, shape {tuple(result.scores.shape)}")
@@ -296,9 +305,16 @@ def _pictures(args, model, result, labels, plot_layers):
     names = [f"layer {result.layers[k]}" for k in picked]
     rows = list(result.rows) if result.rows is not None else list(range(len(labels)))
     row_labels = [labels[r] for r in rows]
+    if args.rollout:
+        scores, picked = np.asarray(result.extra["rollout"]), [0]  # (B = 1, L, L): one panel
+        names = [f"rollout of layers 0-{n - 1}"]
     moded = args.method not in ("hidden_attention", "grad_input")
     title = f"{model.source}: {args.method}" + (f" ({args.mode} mode)" if moded else "")
     what = VALUE_LABELS.get(args.method, f"{args.method} score")
+    if args.rollout:
+        what = f"{args.method} rollout: source j's share of target i through every layer"
+        if args.method == "logit":
+            what = "logit rollout: input token j's push on target i's next-token logit"
     options = dict(row_labels=row_labels, rows=rows, title=title, layer_names=names, value_label=what,
                    scale=args.scale)  # fmt: skip
     if args.plot:
@@ -426,6 +442,12 @@ def build_parser() -> Parser:
     )
     a.add_argument("--plot-layers", default=None, help="layers drawn in --plot / --html (default all scored)")
     a.add_argument("--html", default=None, help="standalone HTML view with a layer slider")
+    a.add_argument(
+        "--rollout",
+        action="store_true",
+        help="also compose the layers (alti, logit, hidden_attention): saved as extra 'rollout' in --out, "
+        "and the picture --plot / --html draws",
+    )
     a.add_argument(
         "--scale",
         default="linear",

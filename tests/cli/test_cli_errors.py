@@ -351,3 +351,17 @@ def test_info_warns_when_the_tokenizer_does_not_fit_the_model(here, capsys):
     assert "warning: the tokenizer has 20 tokens but the model only 12 ids" in out
     rc, err = run(["attribute", "--model", "ck", "--text", "w3 w15", "--out", "s.npz"], capsys)
     assert rc == EXIT_USAGE and "[0, 12)" in err
+
+
+def test_rollout_from_the_command_line(here, capsys):
+    import latim_jax
+
+    argv = ["attribute", "--model", "ck", "--tokens", "1 2 3 4", "--method", "alti", "--rollout"]
+    assert main(argv + ["--out", "r.npz", "--html", "r.html"]) == EXIT_OK
+    saved = latim_jax.Attribution.load("r.npz")
+    np.testing.assert_allclose(saved.extra["rollout"], saved.rollout(), rtol=1e-6)
+    assert "rollout of layers 0-0" in (here / "r.html").read_text()
+    rc, err = run(argv[:-1] + ["--rollout", "--rows", "-1", "--out", "s.npz"], capsys)
+    assert rc == EXIT_USAGE and "--rollout composes every layer" in err
+    rc, err = run(["attribute", "--model", "ck", "--tokens", "1 2", "--method", "l2", "--rollout"], capsys)
+    assert rc == EXIT_USAGE and "alti / hidden_attention / logit" in err
