@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -255,6 +257,26 @@ def _restore_params(directory: Path, config: MambaConfig) -> dict[str, Any]:
     try:
         return ocp.PyTreeCheckpointer().restore(directory, restore_args=restore_args)
     except Exception as err:
+        _settle_failed_reads()
         raise CheckpointError(
             f"could not restore the orbax checkpoint ({type(err).__name__}: {err})", file=directory
         ) from err
+
+
+def _settle_failed_reads(seconds: float = 0.5) -> None:
+    """After a failed restore, let tensorstore's reads still in flight finish with the process's
+    stderr (fd 2) silenced: orbax has closed its event loop, and each late completion prints
+    "RuntimeError: Event loop is closed" from C++ (no Python hook sees it), which would follow the
+    one-line error. Python's own writes in this half second are lost too; nothing else runs then."""
+    try:
+        sys.stderr.flush()
+        saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    except (OSError, ValueError):  # no file descriptor 2 (an embedded interpreter)
+        return
+    try:
+        os.dup2(devnull, 2)
+        time.sleep(seconds)
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)

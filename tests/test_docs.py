@@ -137,6 +137,23 @@ def test_readme_first_command_and_vocabulary_examples_run(tmp_path, monkeypatch,
     assert capsys.readouterr().out.split()[-1] == example.group(2)
 
 
+@pytest.mark.slow
+def test_every_readme_command_runs_as_written(tmp_path, monkeypatch, capsys):
+    """Every `latim-jax ...` line of the README's command blocks runs as written (in an empty
+    directory; the dataset line gets a prompts.jsonl of two prompts, the one file it needs)."""
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)\n```", readme, re.S)[1:]  # the set-up commands: above
+    lines = [line.split("  #")[0].strip() for block in blocks for line in block.splitlines()]
+    commands = [line[len("latim-jax ") :] for line in lines if line.startswith("latim-jax ")]
+    assert len(commands) >= 4, commands
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "prompts.jsonl").write_text(
+        '{"id": "a", "text": "t3 t9 t4 <sep> t3 t9"}\n{"id": "b", "tokens": [5, 6, 0, 5]}\n'
+    )
+    for command in commands:
+        assert main(shlex.split(command)) == 0, (command, capsys.readouterr().err[-2000:])
+
+
 def documents():
     """(relative path, text) of the README, BENCHMARKS.md and every Markdown file under docs/."""
     paths = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").rglob("*.md"))]

@@ -365,3 +365,20 @@ def test_rollout_from_the_command_line(here, capsys):
     assert rc == EXIT_USAGE and "--rollout composes every layer" in err
     rc, err = run(["attribute", "--model", "ck", "--tokens", "1 2", "--method", "l2", "--rollout"], capsys)
     assert rc == EXIT_USAGE and "alti / hidden_attention / logit" in err
+
+
+def test_a_corrupt_orbax_checkpoint_is_one_line(here):
+    """Damaged data files of a converted checkpoint: one error line naming the directory, every time
+    (the late reads of the failed restore once printed "RuntimeError: Event loop is closed" in about
+    two runs of three). Separate processes: the noise came from the process's own stderr."""
+    import subprocess
+    import sys
+
+    assert main(["convert", "copy-mamba1", "conv"]) == EXIT_OK
+    for data in (here / "conv" / "params").rglob("d/*"):
+        data.write_bytes(b"\0" * 100)
+    for _ in range(6):
+        done = subprocess.run([sys.executable, "-m", "latim_jax.cli", "info", "conv"], capture_output=True,
+                              text=True, timeout=300)  # fmt: skip
+        assert done.returncode == EXIT_USAGE and "could not restore the orbax checkpoint" in done.stderr
+        assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
