@@ -11,6 +11,7 @@ from pathlib import Path
 
 from latim_jax.convert import CheckpointError
 from latim_jax.io.loading import SHIPPED, load
+from latim_jax.parallel.context import IMPLS
 
 MODEL_HELP = f"shipped name ({', '.join(SHIPPED)}), directory or hub id"
 DEFAULT_METHOD = "alti"  # attribute, attribute-dataset and latim_jax.attribute agree
@@ -90,6 +91,13 @@ def parse_ints(text: str, what: str) -> list[int]:
         return [int(x) for x in text.replace(",", " ").split()]
     except ValueError:
         raise UsageError(f"{what} must be integers separated by spaces or commas, found {text!r}") from None
+
+
+def add_impl_argument(parser) -> None:
+    """``--impl``: which kernels run (one definition for every command that attributes)."""
+    parser.add_argument(
+        "--impl", default="auto", choices=IMPLS, help="kernels: auto (Pallas on TPU/GPU, else XLA; default)"
+    )
 
 
 def check_suffix(flag: str, value, suffixes: tuple[str, ...]) -> None:

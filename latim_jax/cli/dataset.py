@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import sys
 
-from latim_jax.cli.args import DEFAULT_METHOD, MODEL_HELP, UsageError, load_model, parse_ints, positive_int
+from latim_jax.cli.args import (
+    DEFAULT_METHOD,
+    MODEL_HELP,
+    UsageError,
+    add_impl_argument,
+    load_model,
+    parse_ints,
+    positive_int,
+)
 from latim_jax.latim.dataset import DatasetError, attribute_dataset, read_prompts
 from latim_jax.latim.hidden_attention import AGGREGATIONS
 from latim_jax.latim.kinds import MODES
 from latim_jax.latim.scores import METHODS, PRECISIONS
 from latim_jax.model.inputs import check_layers
-from latim_jax.parallel.context import IMPLS
 from latim_jax.tasks import vocab
 
 
@@ -61,9 +68,7 @@ def add_dataset_parser(sub, parents=()) -> None:
         choices=("skip", "fail"),
         help="a bad input line: stop before computing (fail, default) or warn and skip it",
     )
-    p.add_argument(
-        "--impl", default="auto", choices=IMPLS, help="kernels: auto (Pallas on TPU/GPU, else XLA; default)"
-    )
+    add_impl_argument(p)
     p.add_argument(
         "--precision",
         default="float32",

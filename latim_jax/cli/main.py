@@ -29,6 +29,7 @@ from latim_jax.cli.args import (
     Parser,
     RunFailed,
     UsageError,
+    add_impl_argument,
     check_outputs,
     check_suffix,
     load_model,
@@ -52,7 +53,6 @@ from latim_jax.latim.kinds import MODES
 from latim_jax.latim.memory import InsufficientMemoryError, human
 from latim_jax.latim.scores import METHODS, PRECISIONS
 from latim_jax.model import generate as generation
-from latim_jax.parallel.context import IMPLS
 from latim_jax.tasks import registry, vocab
 
 __all__ = [
@@ -432,9 +432,7 @@ def build_parser() -> Parser:
         default=None,
         help="target positions to score, e.g. '0 5' or '-1' (from the end), or 'last' (default all)",
     )
-    a.add_argument(
-        "--impl", default="auto", choices=IMPLS, help="kernels: auto (Pallas on TPU/GPU, else XLA; default)"
-    )
+    add_impl_argument(a)
     a.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the default prompt")
     a.add_argument("--out", default="attribution.npz", help="scores file (.npz, default attribution.npz)")
     a.add_argument(
