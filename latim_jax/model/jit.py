@@ -24,15 +24,17 @@ from flax import nnx
 
 MAP_FRACTION = 0.5  # clear the compiled programs past this fraction of vm.max_map_count
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-_compiles = [0, 0]  # [programs compiled in this process, at the last look]
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"  # loaded from a persistent cache: mapped too
+_compiles = [0, 0]  # [programs compiled or loaded in this process, at the last look]
 
 
-def _count_compiles(event: str, duration: float, **_) -> None:
-    if event == _COMPILE_EVENT:
+def _count_compiles(event: str, duration: float = 0.0, **_) -> None:
+    if event in (_COMPILE_EVENT, _CACHE_HIT_EVENT):
         _compiles[0] += 1
 
 
 jax.monitoring.register_event_duration_secs_listener(_count_compiles)
+jax.monitoring.register_event_listener(_count_compiles)
 
 
 def map_count() -> int | None:
