@@ -13,10 +13,13 @@ at the end, so a failure leaves nothing at the destination.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -255,28 +258,45 @@ def _restore_params(directory: Path, config: MambaConfig) -> dict[str, Any]:
         is_leaf=lambda x: isinstance(x, tuple),
     )
     try:
-        return ocp.PyTreeCheckpointer().restore(directory, restore_args=restore_args)
+        with _without_closed_loop_noise():
+            return ocp.PyTreeCheckpointer().restore(directory, restore_args=restore_args)
     except Exception as err:
-        _settle_failed_reads()
         raise CheckpointError(
             f"could not restore the orbax checkpoint ({type(err).__name__}: {err})", file=directory
         ) from err
 
 
-def _settle_failed_reads(seconds: float = 0.5) -> None:
-    """After a failed restore, let tensorstore's reads still in flight finish with the process's
-    stderr (fd 2) silenced: orbax has closed its event loop, and each late completion prints
-    "RuntimeError: Event loop is closed" from C++ (no Python hook sees it), which would follow the
-    one-line error. Python's own writes in this half second are lost too; nothing else runs then."""
+@contextlib.contextmanager
+def _without_closed_loop_noise(settle_s: float = 0.5):
+    """Run a restore with the process's stderr (fd 2) going to a temporary file: written back as it was
+    when the restore succeeds, dropped when it fails (the CheckpointError says what failed). A failed
+    restore leaves reads in flight: after orbax closes its event loop each one prints "RuntimeError:
+    Event loop is closed" from C++ (past every Python hook, several threads at once), and asyncio logs
+    "Task exception was never retrieved" when the failed tasks are collected; both surrounded the one
+    error line in about two runs of three. So a failure waits ``settle_s`` and collects them first."""
     try:
         sys.stderr.flush()
-        saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+        saved = os.dup(2)
     except (OSError, ValueError):  # no file descriptor 2 (an embedded interpreter)
+        yield
         return
-    try:
-        os.dup2(devnull, 2)
-        time.sleep(seconds)
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
+    failed = False
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            failed = True
+            time.sleep(settle_s)
+            gc.collect()
+            raise
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            if not failed:
+                caught.seek(0)
+                text = caught.read().decode(errors="replace")
+                if text:
+                    sys.stderr.write(text)
+                    sys.stderr.flush()
