@@ -51,7 +51,7 @@ from latim_jax.latim import attribution
 from latim_jax.latim.hidden_attention import AGGREGATIONS
 from latim_jax.latim.kinds import MODES
 from latim_jax.latim.memory import InsufficientMemoryError, human
-from latim_jax.latim.scores import METHODS, PRECISIONS
+from latim_jax.latim.scores import LATIM_METHODS, METHODS, PRECISIONS
 from latim_jax.model import generate as generation
 from latim_jax.tasks import registry, vocab
 
@@ -127,10 +127,16 @@ def _read_text(path: str, flag: str) -> str:
         raise UsageError(f"{flag} {path}: cannot read it ({err.strerror or err})") from None
 
 
+def _prompt_flags(args) -> list[str]:
+    """The prompt options given among --text, --tokens, --text-file, --tokens-file (generate has
+    only the first two)."""
+    return [f for f in ("text", "tokens", "text_file", "tokens_file") if getattr(args, f, None) is not None]
+
+
 def _prompt(model, args, default=None) -> tuple[list[int], list[str]]:
     """The prompt of --text / --tokens / --text-file / --tokens-file (else ``default(model)``) with its
     labels; never empty, every id in the vocabulary (checked before any label is looked up)."""
-    given = [f for f in ("text", "tokens", "text_file", "tokens_file") if getattr(args, f, None) is not None]
+    given = _prompt_flags(args)
     if len(given) > 1:
         raise UsageError(f"pass one of --text, --tokens, --text-file, --tokens-file, found {len(given)}")
     if args.text is not None or getattr(args, "text_file", None) is not None:
@@ -264,7 +270,7 @@ def cmd_attribute(args):
     if plot_layers is not None and any(not -n <= k < n or k % n not in computed for k in plot_layers):
         raise UsageError(f"--plot-layers {plot_layers} must be among the scored layers {computed}")
     ids, labels = _prompt(model, args, default=lambda m: default_prompt(m, args.seed))
-    if args.text is None and args.tokens is None and args.text_file is None and args.tokens_file is None:
+    if not _prompt_flags(args):
         print(f"prompt (the task's default, --seed {args.seed}): {' '.join(labels)}")
     extra = {} if args.aggregation is None else {"aggregation": args.aggregation}
     try:
@@ -287,7 +293,7 @@ def cmd_attribute(args):
     if args.rollout:  # saved beside the per-layer scores; the pictures show it alone
         result = dataclasses.replace(result, extra={**result.extra, "rollout": result.rollout()})
     result.save(args.out)
-    mode = "" if args.method in ("hidden_attention", "grad_input") else f" ({args.mode} mode)"
+    mode = f" ({args.mode} mode)" if args.method in LATIM_METHODS else ""  # baselines have no mode
     print(f"wrote {args.out}: {args.method} scores{mode}, shape {tuple(result.scores.shape)}")
     _pictures(args, model, result, labels, plot_layers)
     if "approximation_error" in result.extra:
@@ -308,8 +314,9 @@ def _pictures(args, model, result, labels, plot_layers):
     if args.rollout:
         scores, picked = np.asarray(result.extra["rollout"]), [0]  # (B = 1, L, L): one panel
         names = [f"rollout of layers 0-{n - 1}"]
-    moded = args.method not in ("hidden_attention", "grad_input")
-    title = f"{model.source}: {args.method}" + (f" ({args.mode} mode)" if moded else "")
+    title = f"{model.source}: {args.method}" + (
+        f" ({args.mode} mode)" if args.method in LATIM_METHODS else ""
+    )
     what = VALUE_LABELS.get(args.method, f"{args.method} score")
     if args.rollout:
         what = f"{args.method} rollout: source j's share of target i through every layer"

@@ -78,8 +78,7 @@ def colour_values(scores, scale: str = "linear") -> tuple[np.ndarray, bool, floa
         raise ValueError(f"scale must be one of {SCALES}, found {scale!r}")
     s = np.asarray(scores, dtype=np.float64)
     finite = np.isfinite(s)
-    top = float(np.abs(s[finite]).max()) if finite.any() else 0.0
-    signed = bool((s[finite] < 0).any())
+    top, signed = _value_range(s)
     if top == 0.0:
         return np.where(finite, 0.0, np.nan), signed, top
     a = np.abs(s) / top
@@ -90,6 +89,13 @@ def colour_values(scores, scale: str = "linear") -> tuple[np.ndarray, bool, floa
         a = np.where(finite, np.searchsorted(order, np.where(finite, a, 0.0), side="right") / order.size, 0.0)
     out = np.sign(s) * a if signed else a
     return np.where(finite, out, np.nan), signed, top
+
+
+def _value_range(values) -> tuple[float, bool]:
+    """(the largest |value|, whether any value is negative) over the finite entries (NaN: no score)."""
+    v = np.asarray(values)
+    finite = v[np.isfinite(v)]
+    return (float(np.abs(finite).max()) if finite.size else 0.0), bool((finite < 0).any())
 
 
 def causal_nan(scores, rows=None) -> np.ndarray:
@@ -156,7 +162,7 @@ def heatmap_figure(
         ax.set_ylabel(y_name + _thinned(y_ticks, R), fontsize=8)
         panels.append(ax)
     bar = fig.colorbar(image, ax=panels, shrink=0.8)
-    bar.set_label(_legend_text(value_label, scale, signed, top), fontsize=8)
+    bar.set_label(_legend_text(value_label, scale, signed), fontsize=8)
     bar.set_ticks([-1.0, 0.0, 1.0] if signed else [0.0, 1.0])
     bar.set_ticklabels(_bar_ticks(scale, signed, top))
     if title:
@@ -165,7 +171,7 @@ def heatmap_figure(
     return fig
 
 
-def _legend_text(value_label: str, scale: str, signed: bool, top: float) -> str:
+def _legend_text(value_label: str, scale: str, signed: bool) -> str:
     colours = "blue < 0 < red" if signed else "white 0 to dark"
     how = {"linear": "linear", "log": "log scale", "quantile": "quantile of |value|"}[scale]
     return f"{value_label} ({how}; {colours}; grey: no score, source after target)"
@@ -250,19 +256,17 @@ def html_view(
     positions = list(range(R)) if rows is None else [int(r) for r in rows]
     row_labels = list(labels) if row_labels is None else list(row_labels)
     values = causal_nan(scores, positions)
-    finite = np.isfinite(values)
-    top = float(np.abs(values[finite]).max()) if finite.any() else 0.0
-    signed = bool((values[finite] < 0).any())
+    top, signed = _value_range(values)
     factor = max(1, math.ceil(math.sqrt(n * R * L / HTML_CELL_BUDGET)))
     if factor > 1:
         values = _pool(values, factor)
     rel = (values / top if top > 0 else np.where(np.isfinite(values), 0.0, np.nan)).astype(np.float16)
-    span = lambda names, pos, k: _span_label(names, pos, k, factor)  # noqa: E731
+    sources = (list(labels), list(range(L)))
     data = {
         "maps": [base64.b64encode(m.astype("<f2").tobytes()).decode() for m in rel],
         "shape": list(rel.shape[1:]),
-        "rows": [span(row_labels, positions, k) for k in range(rel.shape[1])],
-        "cols": [span(list(labels), list(range(L)), k) for k in range(rel.shape[2])],
+        "rows": [_span_label(row_labels, positions, k, factor) for k in range(rel.shape[1])],
+        "cols": [_span_label(*sources, k, factor) for k in range(rel.shape[2])],
         "names": list(layer_names or [f"layer {k}" for k in range(n)]),
         "signed": signed,
         "top": top,
@@ -289,11 +293,6 @@ def html_view(
 def _span_label(names, positions, k: int, factor: int) -> str:
     """The hover/axis label of pooled index k: "position:token", or "first-last" positions of a block."""
     if factor == 1:
-        return f"{positions[k]}:{_readable(names[k])}"
+        return f"{positions[k]}:{html.escape(str(names[k]))}"
     lo, hi = k * factor, min(len(names), (k + 1) * factor) - 1
     return f"{positions[lo]}-{positions[hi]}"
-
-
-def _readable(token) -> str:
-    """A token as a person reads it: escaped for HTML."""
-    return html.escape(str(token))

@@ -51,7 +51,7 @@ class LayerJob:
     @property
     def with_error(self) -> bool:
         """Whether the layer reports the paper mode's approximation error."""
-        return self.mode == "paper" and self.method not in ("hidden_attention", "grad_input")
+        return self.mode == "paper" and self.method in LATIM_METHODS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,12 +33,6 @@ VARIANTS = {
 B, L = 2, 11  # L > the Mamba-2 chunk (8)
 
 
-def _direction(ref, h_final, logits, b):
-    target = logits[b].argmax(-1)
-    r = torch.rsqrt(h_final[b].pow(2).mean(-1, keepdim=True) + ref.config.layer_norm_epsilon)
-    return ref.backbone.norm_f.weight.detach().double() * ref.lm_head.weight.detach().double()[target] * r
-
-
 def _mixer_input(ref, h):
     """RMSNorm of the block (float64): the mixer input xhat from the block input h (L, d)."""
     norm = ref.backbone.layers[0].norm
@@ -61,23 +55,14 @@ def main() -> None:
             )
             g[f"T_{mode}"], g[f"bias_{mode}"], g[f"output_{mode}"] = T.numpy(), bias.numpy(), o.numpy()
         for method, mode in (("l2", "exact"), ("alti", "exact"), ("logit", "exact"), ("l2", "paper")):
-            maps, direct = [], []
-            for b in range(B):
-                direction = _direction(ref, h_final, logits, b)
-                per_layer = []
-                for layer, rec in enumerate(seen):
-                    mixer = ref.backbone.layers[layer].mixer
-                    T, _, o = torch_latim.decompose_layer(mixer, rec["xhat"][b], mode=mode)
-                    per_layer.append(torch_latim.scores(T, rec["h"][b], o, method, direction).numpy())
-                maps.append(per_layer)
-                direct.append((seen[0]["h"][b] * direction).sum(-1))
-            g[f"scores_{method}_{mode}"] = np.asarray(maps)
+            maps, direct = torch_latim.reference_maps(ref, seen, h_final, logits, method, mode)
+            g[f"scores_{method}_{mode}"] = np.asarray([[m.numpy() for m in per] for per in maps])
             if mode == "exact" and method in ("alti", "logit"):
                 alti = None
                 if method == "logit":
                     alti = [[torch.from_numpy(m) for m in per] for per in g["scores_alti_exact"]]
                 g[f"rollout_{method}"] = np.stack([
-                    torch_latim.rollout([torch.from_numpy(m) for m in maps[b]], method, direct=direct[b],
+                    torch_latim.rollout(maps[b], method, direct=direct[b],
                                         alti=None if alti is None else alti[b]).numpy()
                     for b in range(B)
                 ])  # fmt: skip

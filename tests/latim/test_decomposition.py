@@ -89,30 +89,10 @@ def test_folded_norm_keeps_torch_parity(case):
             block.fold_from = FOLD_FROM_LENGTH
 
 
-def _direction(ref, h_final, logits, b):
-    target = logits[b].argmax(-1)
-    r = torch.rsqrt(h_final[b].double().pow(2).mean(-1, keepdim=True) + ref.config.layer_norm_epsilon)
-    head = ref.lm_head.weight.detach().double()
-    return ref.backbone.norm_f.weight.detach().double() * head[target] * r
-
-
 def _reference_maps(case, method, mode, aggregation):
     """Per prompt, per layer: the torch reference's (L, L) map; plus the logit direct terms."""
     _, ref, _, _, seen, h_final, logits = case
-    maps, direct = [], []
-    for b in range(B):
-        direction = _direction(ref, h_final, logits, b)
-        per_layer = []
-        for layer, rec in enumerate(seen):
-            mixer = ref.backbone.layers[layer].mixer
-            if method == "hidden_attention":
-                per_layer.append(torch_latim.hidden_attention(mixer, rec["xhat"][b], aggregation=aggregation))
-            else:
-                T, _, o = torch_latim.decompose_layer(mixer, rec["xhat"][b], mode=mode)
-                per_layer.append(torch_latim.scores(T, rec["h"][b].double(), o, method, direction))
-        maps.append(per_layer)
-        direct.append((seen[0]["h"][b].double() * direction).sum(-1))
-    return maps, direct
+    return torch_latim.reference_maps(ref, seen, h_final, logits, method, mode, aggregation)
 
 
 CASES = [

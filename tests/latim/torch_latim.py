@@ -246,3 +246,31 @@ def scores(T, h, o, method, direction=None):
         else:  # no positive score (the bias terms dominate): the library's convention is "all to self"
             out[i, i] = 1.0
     return out
+
+
+def logit_direction(model, h_final, logits, b):
+    """(L, d): the direction whose dot product with a position's stream gives its predicted token's
+    logit, RMSNorm_f's scale held at the forward's values (prompt ``b``), float64."""
+    target = logits[b].argmax(-1)
+    r = torch.rsqrt(h_final[b].double().pow(2).mean(-1, keepdim=True) + model.config.layer_norm_epsilon)
+    head = model.lm_head.weight.detach().double()
+    return model.backbone.norm_f.weight.detach().double() * head[target] * r
+
+
+def reference_maps(model, seen, h_final, logits, method, mode, aggregation=None):
+    """Per prompt, per layer: the reference's (L, L) map of ``method``, from :func:`capture`'s records;
+    plus, per prompt, the logit's direct (embedding) term (L,)."""
+    maps, direct = [], []
+    for b in range(seen[0]["h"].shape[0]):
+        direction = logit_direction(model, h_final, logits, b)
+        per_layer = []
+        for layer, rec in enumerate(seen):
+            mixer = model.backbone.layers[layer].mixer
+            if method == "hidden_attention":
+                per_layer.append(hidden_attention(mixer, rec["xhat"][b], aggregation=aggregation))
+            else:
+                T, _, o = decompose_layer(mixer, rec["xhat"][b], mode=mode)
+                per_layer.append(scores(T, rec["h"][b].double(), o, method, direction))
+        maps.append(per_layer)
+        direct.append((seen[0]["h"][b].double() * direction).sum(-1))
+    return maps, direct
