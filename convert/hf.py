@@ -1,5 +1,6 @@
-"""Reader for Hugging Face-format Mamba checkpoints: ``config.json`` with ``model_type`` ``mamba`` or
-``mamba2`` and ``model.safetensors`` (possibly sharded) or ``pytorch_model.bin``.
+"""Reader for Hugging Face-format checkpoints: ``config.json`` with ``model_type`` ``mamba``, ``mamba2``,
+``falcon_mamba`` or a hybrid (:mod:`.hybrids`), and ``model.safetensors`` (possibly sharded) or
+``pytorch_model.bin``.
 
 Config fields follow transformers' ``MambaConfig`` / ``Mamba2Config`` (defaults included, which differ:
 Mamba2Config's are Codestral's). Fields that only matter for training or generation are ignored, by
@@ -15,64 +16,22 @@ from typing import Any
 
 from latim_jax.model.config import MambaConfig
 
+from . import hybrids
 from .config_fields import ConfigFields, read_json
 from .errors import CheckpointError
+from .hf_fields import ACTIVATIONS, GENERIC_IGNORED, build_config
 from .layout import params_from_tensors
 from .tensors import find_weight_files, open_tensors
 
 CONFIG_FILE = "config.json"
-MODEL_TYPES = {"mamba": 1, "mamba2": 2}
+# model_type -> the Mamba version of its SSM sublayers (falcon_mamba: Mamba-1 with RMS-normalised dt, B,
+# C; the hybrids' readers live in convert/hybrids.py)
+MODEL_TYPES = {"mamba": 1, "mamba2": 2, "falcon_mamba": 1} | {t: 2 for t in hybrids.READERS}
 WEIGHT_CHOICES = (
     ("model.safetensors.index.json",),
     ("model.safetensors",),
     ("pytorch_model.bin.index.json",),
     ("pytorch_model.bin",),
-)
-
-# transformers.PretrainedConfig bookkeeping, token ids, generation/caching and initialisation: none of
-# these changes what a forward pass computes from the stored weights.
-GENERIC_IGNORED = frozenset(
-    {
-        "_name_or_path",
-        "architectures",
-        "transformers_version",
-        "torch_dtype",
-        "dtype",
-        "bos_token_id",
-        "eos_token_id",
-        "pad_token_id",
-        "use_cache",
-        "initializer_range",
-        "rescale_prenorm_residual",
-        "_from_model_config",
-        "return_dict",
-        "output_hidden_states",
-        "output_attentions",
-        "torchscript",
-        "tokenizer_class",
-        "id2label",
-        "label2id",
-        "problem_type",
-        "is_encoder_decoder",
-        "is_decoder",
-        "add_cross_attention",
-        "chunk_size_feed_forward",
-        "task_specific_params",
-        "prefix",
-        "sep_token_id",
-        "decoder_start_token_id",
-        "time_step_min",
-        "time_step_max",
-        "time_step_floor",
-        "time_step_init_scheme",
-        "time_step_scale",
-        # residual_in_fp32: latim-jax always keeps the residual stream in fp32.
-        "residual_in_fp32",
-        # mamba_ssm-style leftovers of early ports that transformers never reads.
-        "fused_add_norm",
-        "pad_vocab_size_multiple",
-        "ssm_cfg",
-    }
 )
 
 _COMMON = frozenset(
@@ -97,13 +56,12 @@ _COMMON = frozenset(
 )
 _V1_HANDLED = _COMMON | {"time_step_rank", "d_inner"}
 _V1_IGNORED = GENERIC_IGNORED | {"use_mambapy", "use_associative_scan"}
+_FALCON_HANDLED = _V1_HANDLED | {"mixer_rms_eps"}
 _V2_HANDLED = _COMMON | {"head_dim", "num_heads", "n_groups", "chunk_size", "time_step_limit"}
 # Mamba-2 has no dt_proj, so transformers' Mamba2Config.time_step_rank is unused. norm_before_gate is
 # stored by the Codestral port (as true) but transformers' Mamba-2 never reads it: its gated RMSNorm
 # always gates first (y * SiLU(z), then normalise), which is mamba_ssm's default and what latim-jax does.
 _V2_IGNORED = GENERIC_IGNORED | {"time_step_rank", "norm_before_gate"}
-
-ACTIVATIONS = {"silu": "silu", "swish": "silu", "relu": "relu", "identity": "identity", "linear": "identity"}
 
 
 def config_from_hf(data: dict[str, Any], *, file: str = CONFIG_FILE) -> MambaConfig:
@@ -117,11 +75,17 @@ def config_from_hf(data: dict[str, Any], *, file: str = CONFIG_FILE) -> MambaCon
         raise CheckpointError(
             "not a Mamba config", file=file, key="model_type", expected=sorted(MODEL_TYPES), found=model_type
         )
+    if model_type in hybrids.READERS:
+        return hybrids.READERS[model_type](data, file)
     version = MODEL_TYPES[model_type]
     handled, ignored = (_V1_HANDLED, _V1_IGNORED) if version == 1 else (_V2_HANDLED, _V2_IGNORED)
+    if model_type == "falcon_mamba":
+        handled = _FALCON_HANDLED
     f = ConfigFields(data, file=file, handled=handled, ignored=ignored)
     kwargs = _common_fields(f, version)
     kwargs.update(_v1_fields(f, kwargs) if version == 1 else _v2_fields(f, kwargs))
+    if model_type == "falcon_mamba":  # transformers' FalconMambaMixer: rms(dt_low), rms(B), rms(C), no weight
+        kwargs.update(bcdt_norm=True, bcdt_eps=f.float("mixer_rms_eps", 1e-6), family=model_type)
     return build_config(file, version=version, **kwargs)
 
 
@@ -136,14 +100,6 @@ def read_hf(directory: str | Path, dtype: Any = None) -> tuple[MambaConfig, dict
     files = find_weight_files(directory, WEIGHT_CHOICES)
     with open_tensors(files) as tensors:
         return config, params_from_tensors(config, tensors, dtype=dtype)
-
-
-def build_config(file: str, **kwargs: Any) -> MambaConfig:
-    """``MambaConfig(**kwargs)``, its validation errors raised as :class:`CheckpointError` on ``file``."""
-    try:
-        return MambaConfig(**kwargs)
-    except (ValueError, ArithmeticError) as err:  # ArithmeticError: a zero head_dim or n_groups
-        raise CheckpointError(f"inconsistent config: {err}", file=file) from err
 
 
 def _common_fields(f: ConfigFields, version: int) -> dict[str, Any]:

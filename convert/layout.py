@@ -59,6 +59,28 @@ _MIXER_V2 = {
 }
 
 
+_ATTENTION = {
+    "q_proj": ("q_proj.weight", LINEAR),
+    "q_b": ("q_proj.bias", SAME),
+    "k_proj": ("k_proj.weight", LINEAR),
+    "k_b": ("k_proj.bias", SAME),
+    "v_proj": ("v_proj.weight", LINEAR),
+    "v_b": ("v_proj.bias", SAME),
+    "o_proj": ("o_proj.weight", LINEAR),
+    "o_b": ("o_proj.bias", SAME),
+}
+_MLP = {
+    "up_proj": ("up_proj.weight", LINEAR),
+    "up_b": ("up_proj.bias", SAME),
+    "gate_proj": ("gate_proj.weight", LINEAR),
+    "gate_b": ("gate_proj.bias", SAME),
+    "down_proj": ("down_proj.weight", LINEAR),
+    "down_b": ("down_proj.bias", SAME),
+}
+# layer kind -> its mixer's names (inside ``backbone.layers.{i}.mixer.``)
+MIXER_NAMES = {"mamba1": _MIXER_V1, "mamba2": _MIXER_V2, "attention": _ATTENTION, "mlp": _MLP}
+
+
 @dataclasses.dataclass(frozen=True)
 class TorchTensor:
     """One expected checkpoint tensor: its accepted names, where it goes, and its orientation."""
@@ -90,13 +112,12 @@ class TorchTensor:
 def torch_layout(config: MambaConfig, *, prefix: str = "") -> list[TorchTensor]:
     """Every tensor a torch checkpoint of ``config`` must hold, in order (tied lm_head excluded)."""
     shapes = param_shapes(config)
-    mixer_names = _MIXER_V1 if config.version == 1 else _MIXER_V2
     out = [TorchTensor(tuple(prefix + n for n in EMBEDDING_NAMES), ("embedding",), SAME, shapes["embedding"])]
     for i, layer in enumerate(shapes["layers"]):
         base = f"{prefix}backbone.layers.{i}."
         out.append(TorchTensor((base + "norm.weight",), ("layers", i, "norm"), SAME, layer["norm"]))
         for name, shape in layer["mixer"].items():
-            torch_name, orientation = mixer_names[name]
+            torch_name, orientation = MIXER_NAMES[config.kinds[i]][name]
             out.append(
                 TorchTensor((base + "mixer." + torch_name,), ("layers", i, "mixer", name), orientation, shape)
             )
@@ -269,7 +290,8 @@ def _put(tree: Any, path: tuple[str | int, ...], value: np.ndarray) -> None:
 
 def _size_hint(config: MambaConfig) -> str:
     c = config
-    text = f"(Mamba-{c.version}: d_model={c.d_model}, n_layers={c.n_layers}, vocab={c.vocab_size}"
+    family = f"{c.family}, " if c.family else ""
+    text = f"({family}Mamba-{c.version}: d_model={c.d_model}, n_layers={c.n_layers}, vocab={c.vocab_size}"
     text += f", d_state={c.d_state}"
     if c.version == 2:
         text += f", head_dim={c.head_dim}, n_groups={c.n_groups}"

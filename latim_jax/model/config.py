@@ -3,7 +3,15 @@
 Shape glossary (used across the library):
     b batch, l sequence length, d model width (d_model), e inner width (expand * d),
     n state size (d_state), r dt rank (Mamba-1), h heads, p head dim (e = h * p, Mamba-2),
-    g groups (Mamba-2 B/C), k conv width (d_conv), v vocabulary rows (padded).
+    g groups (Mamba-2 B/C), k conv width (d_conv), v vocabulary rows (padded);
+    attention sublayers: H query heads, G key/value heads, a head dim (attn_head_dim);
+    token-wise MLP sublayers: f hidden width (mlp_width).
+
+A model is a stack of residual sublayers h + Mixer(RMSNorm(h)), each of one *kind*
+(:data:`LAYER_KINDS`): the Mamba mixer of ``version`` ("mamba1" / "mamba2"), softmax attention
+("attention"), or a token-wise MLP ("mlp"). A plain Mamba model has ``layer_kinds=()``: every
+sublayer is its Mamba mixer. A hybrid lists one kind per sublayer (Nemotron-H's pattern, Bamba's
+mixer + feed-forward pairs written as two sublayers each).
 """
 
 from __future__ import annotations
@@ -14,6 +22,8 @@ import math
 from typing import Any
 
 ACTIVATIONS = ("silu", "relu", "identity")
+MLP_ACTIVATIONS = ("silu", "relu", "relu2", "gelu", "gelu_tanh")
+LAYER_KINDS = ("mamba1", "mamba2", "attention", "mlp")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -43,6 +53,28 @@ class MambaConfig:
     activation: str = "silu"
     time_step_limit: tuple[float, float] = (0.0, math.inf)
     vocab_size_unpadded: int | None = None
+    ssm_inner: int = 0  # the SSM inner width e when it is not expand * d_model (Nemotron-H: heads * head_dim)
+    # Mamba-1 variants (FalconMamba, Jamba): RMSNorm without weight of dt's low-rank input, B and C
+    bcdt_norm: bool = False
+    bcdt_eps: float = 1e-6
+    # hybrids: one kind per sublayer (empty: every sublayer is the Mamba mixer of `version`)
+    layer_kinds: tuple[str, ...] = ()
+    family: str = ""  # the checkpoint family it was read from ("nemotron_h", ...), for display
+    # attention sublayers
+    attn_heads: int = 0
+    attn_kv_heads: int = 0
+    attn_head_dim: int = 0
+    attn_bias: bool = False  # q, k, v biases
+    attn_out_bias: bool = False
+    attn_scale: float = 0.0  # 0: 1 / sqrt(attn_head_dim)
+    rope_theta: float = 0.0  # 0: no rotary embedding
+    rope_dim: int = 0  # rotated channels per head (0: the whole head)
+    sliding_window: int = 0  # 0: none; else a target attends to at most this many sources (itself included)
+    # token-wise MLP sublayers
+    mlp_width: int = 0
+    mlp_activation: str = "silu"
+    mlp_gated: bool = False  # act(x W_gate) * (x W_up), then W_down
+    mlp_bias: bool = False
 
     @property
     def n_tokens(self) -> int:
@@ -77,6 +109,7 @@ class MambaConfig:
         if self.dt_rank == 0:
             object.__setattr__(self, "dt_rank", math.ceil(self.d_model / 16))
         object.__setattr__(self, "time_step_limit", tuple(float(x) for x in self.time_step_limit))
+        self._check_kinds()
         if self.version == 2:
             if self.d_inner % self.head_dim:
                 raise ValueError(
@@ -88,10 +121,65 @@ class MambaConfig:
                     f"Mamba-2 n_heads {self.n_heads} is not a multiple of n_groups {self.n_groups}"
                 )
 
+    def _check_kinds(self) -> None:
+        kinds = tuple(self.layer_kinds)
+        object.__setattr__(self, "layer_kinds", kinds)
+        if not kinds:
+            return
+        if len(kinds) != self.n_layers:
+            raise ValueError(
+                f"MambaConfig.layer_kinds has {len(kinds)} entries for n_layers {self.n_layers}: "
+                "one per sublayer"
+            )
+        ssm = f"mamba{self.version}"
+        for i, kind in enumerate(kinds):
+            if kind not in LAYER_KINDS or (kind.startswith("mamba") and kind != ssm):
+                allowed = [ssm, "attention", "mlp"]
+                raise ValueError(f"MambaConfig.layer_kinds[{i}] is {kind!r}; expected one of {allowed}")
+        if "attention" in kinds:
+            for name in ("attn_heads", "attn_kv_heads", "attn_head_dim"):
+                value = getattr(self, name)
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise ValueError(
+                        f"MambaConfig.{name} must be a positive int for attention, found {value!r}"
+                    )
+            if self.attn_heads % self.attn_kv_heads:
+                raise ValueError(
+                    f"MambaConfig.attn_heads {self.attn_heads} is not a multiple of attn_kv_heads "
+                    f"{self.attn_kv_heads}"
+                )
+            if self.rope_dim < 0 or self.rope_dim > self.attn_head_dim or self.rope_dim % 2:
+                raise ValueError(
+                    f"MambaConfig.rope_dim must be even and within [0, {self.attn_head_dim}], "
+                    f"found {self.rope_dim}"
+                )
+            if self.sliding_window < 0:
+                raise ValueError(f"MambaConfig.sliding_window must be >= 0, found {self.sliding_window}")
+        if "mlp" in kinds:
+            if isinstance(self.mlp_width, bool) or not isinstance(self.mlp_width, int) or self.mlp_width < 1:
+                raise ValueError(
+                    f"MambaConfig.mlp_width must be a positive int for MLP layers, found {self.mlp_width!r}"
+                )
+            if self.mlp_activation not in MLP_ACTIVATIONS:
+                raise ValueError(
+                    f"MambaConfig.mlp_activation must be one of {MLP_ACTIVATIONS}, "
+                    f"found {self.mlp_activation!r}"
+                )
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The kind of every sublayer, in forward order (``layer_kinds``, or the Mamba kind repeated)."""
+        return self.layer_kinds or (f"mamba{self.version}",) * self.n_layers
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some sublayer is not the Mamba mixer."""
+        return any(not k.startswith("mamba") for k in self.kinds)
+
     @property
     def d_inner(self) -> int:
-        """Inner width e = expand * d_model."""
-        return self.expand * self.d_model
+        """Inner width e = expand * d_model (or ``ssm_inner`` when set)."""
+        return self.ssm_inner or self.expand * self.d_model
 
     @property
     def n_heads(self) -> int:
@@ -109,6 +197,7 @@ class MambaConfig:
         """A JSON-safe dict (infinity written as the string "inf")."""
         out = dataclasses.asdict(self)
         out["time_step_limit"] = [_float_to_json(x) for x in self.time_step_limit]
+        out["layer_kinds"] = list(self.layer_kinds)
         return out
 
     def to_json(self) -> str:
@@ -127,6 +216,8 @@ class MambaConfig:
         data = dict(data)
         if "time_step_limit" in data:
             data["time_step_limit"] = tuple(_float_from_json(x) for x in data["time_step_limit"])
+        if "layer_kinds" in data:
+            data["layer_kinds"] = tuple(data["layer_kinds"])
         return cls(**data)
 
 
@@ -153,6 +244,7 @@ def param_shapes(config: MambaConfig) -> dict[str, Any]:
         out_proj (e, d); in_proj_b (2e,) and out_proj_b (d,) when proj_bias.
     Mamba-2 mixer: in_proj (d, 2e+2gn+h) [order z, x, B, C, dt], conv_w (k, e+2gn), conv_b (e+2gn,),
         dt_bias (h,), A_log (h,), D (h,), norm_w (e,), out_proj (e, d); biases as in Mamba-1.
+    Attention and MLP sublayers: see :func:`attention_shapes`, :func:`mlp_shapes`.
     """
     c = config
     e, n, k, d = c.d_inner, c.d_state, c.d_conv, c.d_model
@@ -185,11 +277,47 @@ def param_shapes(config: MambaConfig) -> dict[str, Any]:
     if c.proj_bias:
         mixer["in_proj_b"] = (in_width,)
         mixer["out_proj_b"] = (d,)
+    by_kind = {f"mamba{c.version}": mixer}
+    if "attention" in c.kinds:
+        by_kind["attention"] = attention_shapes(c)
+    if "mlp" in c.kinds:
+        by_kind["mlp"] = mlp_shapes(c)
     tree: dict[str, Any] = {
         "embedding": (c.vocab_size, d),
-        "layers": [{"norm": (d,), "mixer": dict(mixer)} for _ in range(c.n_layers)],
+        "layers": [{"norm": (d,), "mixer": dict(by_kind[kind])} for kind in c.kinds],
         "norm_f": (d,),
     }
     if not c.tie_embeddings:
         tree["lm_head"] = (c.vocab_size, d)
     return tree
+
+
+def attention_shapes(c: MambaConfig) -> dict[str, tuple[int, ...]]:
+    """An attention sublayer's parameters: q_proj (d, H a), k_proj and v_proj (d, G a), o_proj (H a, d);
+    q_b, k_b, v_b when ``attn_bias``, o_b (d,) when ``attn_out_bias``."""
+    d, a = c.d_model, c.attn_head_dim
+    out = {
+        "q_proj": (d, c.attn_heads * a),
+        "k_proj": (d, c.attn_kv_heads * a),
+        "v_proj": (d, c.attn_kv_heads * a),
+        "o_proj": (c.attn_heads * a, d),
+    }
+    if c.attn_bias:
+        out.update(q_b=(c.attn_heads * a,), k_b=(c.attn_kv_heads * a,), v_b=(c.attn_kv_heads * a,))
+    if c.attn_out_bias:
+        out["o_b"] = (d,)
+    return out
+
+
+def mlp_shapes(c: MambaConfig) -> dict[str, tuple[int, ...]]:
+    """A token-wise MLP sublayer's parameters: up_proj (d, f), gate_proj (d, f) when gated, down_proj
+    (f, d); up_b (and gate_b), down_b when ``mlp_bias``."""
+    d, f = c.d_model, c.mlp_width
+    out = {"up_proj": (d, f), "down_proj": (f, d)}
+    if c.mlp_gated:
+        out["gate_proj"] = (d, f)
+    if c.mlp_bias:
+        out.update(up_b=(f,), down_b=(d,))
+        if c.mlp_gated:
+            out["gate_b"] = (f,)
+    return out

@@ -11,24 +11,31 @@ from latim_jax.model.inputs import check_mask
 from latim_jax.model.jit import jit_model_fn
 
 
-def prefill(model, tokens, mask=None):
+def prefill(model, tokens, mask=None, *, max_length: int = 0):
     """Run the prompt (b, l) through the recurrent step: (logits of every position (b, l, v), cache).
 
     ``mask`` (b, l) bool (None: all valid): padding steps (False) leave the caches as if they were
-    absent."""
+    absent. ``max_length``: the positions an attention sublayer's cache holds (at least l)."""
     tokens = model.check_tokens(tokens)
-    return _prefill(model, tokens, check_mask(mask, *tokens.shape))
+    max_length = _cache_length(model, max(max_length, tokens.shape[1]))
+    return _prefill(model, tokens, check_mask(mask, *tokens.shape), max_length=max_length)
 
 
-@jit_model_fn
-def _prefill(model, tokens, mask):
+def _cache_length(model, length: int) -> int:
+    """The positions the caches hold: ``length`` with an attention sublayer, else 0 (a Mamba state does
+    not grow, and one program then serves every length)."""
+    return length if "attention" in model.config.kinds else 0
+
+
+@jit_model_fn(static_argnames=("max_length",))
+def _prefill(model, tokens, mask, *, max_length):
 
     def body(cache, inputs):
         tok, ok = inputs
         logits, cache = model.step(tok, cache, ok)
         return cache, logits
 
-    cache, logits = jax.lax.scan(body, model.init_cache(tokens.shape[0]), (tokens.T, mask.T))
+    cache, logits = jax.lax.scan(body, model.init_cache(tokens.shape[0], max_length), (tokens.T, mask.T))
     return jnp.swapaxes(logits, 0, 1), cache
 
 
@@ -82,7 +89,8 @@ def generate(
         raise ValueError(f"top_k must be a positive int or None, found {top_k!r}")
     if max_new_tokens == 0:
         return tokens.astype(jnp.int32)
-    logits, cache = _prefill(model, tokens, mask)
+    max_length = _cache_length(model, tokens.shape[1] + max_new_tokens)
+    logits, cache = _prefill(model, tokens, mask, max_length=max_length)
     new = _decode(
         model,
         logits[:, -1],

@@ -22,6 +22,11 @@ def _dt_bias(key, size, dt_min=1e-3, dt_max=1e-1, floor=1e-4):
     return dt + jnp.log(-jnp.expm1(-dt))
 
 
+# attention and MLP sublayers' matrices (fan-in first) and biases
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "gate_proj", "down_proj")
+_BIASES = ("q_b", "k_b", "v_b", "o_b", "up_b", "gate_b", "down_b")
+
+
 def init_params(config: MambaConfig, seed: int = 0) -> dict:
     """A parameter tree (fp32) for ``config`` with the reference's default random initialisation.
 
@@ -30,7 +35,7 @@ def init_params(config: MambaConfig, seed: int = 0) -> dict:
     Delta biases give Delta log-uniform in [1e-3, 1e-1].
     """
     shapes = param_shapes(config)
-    keys = iter(jax.random.split(jax.random.PRNGKey(seed), 4 + 16 * config.n_layers))
+    keys = iter(jax.random.split(jax.random.PRNGKey(seed), 4 + 16 * config.n_layers))  # <= 12 per layer
     c = config
     out = {
         "embedding": 0.02 * jax.random.normal(next(keys), shapes["embedding"]),
@@ -43,11 +48,11 @@ def init_params(config: MambaConfig, seed: int = 0) -> dict:
         m = {}
         for name, shape in layer_shapes["mixer"].items():
             key = next(keys)
-            if name in ("in_proj", "x_proj", "dt_proj", "out_proj"):
+            if name in ("in_proj", "x_proj", "dt_proj", "out_proj") or name in _PROJECTIONS:
                 m[name] = _uniform(key, shape, 1.0 / math.sqrt(shape[0]))
             elif name == "conv_w":
                 m[name] = _uniform(key, shape, 1.0 / math.sqrt(c.d_conv))
-            elif name in ("conv_b", "in_proj_b", "out_proj_b"):
+            elif name in ("conv_b", "in_proj_b", "out_proj_b") or name in _BIASES:
                 m[name] = _uniform(key, shape, 1.0 / math.sqrt(c.d_conv if name == "conv_b" else shape[0]))
             elif name == "dt_bias":
                 m[name] = _dt_bias(key, shape[0])

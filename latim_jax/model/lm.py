@@ -1,7 +1,10 @@
-"""The Mamba language model (both versions) as a Flax NNX module.
+"""The Mamba language model (both versions, and hybrids) as a Flax NNX module.
 
 h^0 = E[ids];  h^{l+1} = h^l + Mixer_l(RMSNorm_l(h^l))   (residual stream in fp32)
 logits = RMSNorm_f(h^L) @ E_out^T                          (E_out = E when tied)
+
+Mixer_l is the sublayer of kind ``config.kinds[l]`` (:data:`MIXERS`): a Mamba mixer, attention or a
+token-wise MLP.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from latim_jax.kernels import f32
+from latim_jax.model.attention import AttentionMixer
 from latim_jax.model.config import MambaConfig, param_shapes
 from latim_jax.model.inputs import (
     bucket_pad,
@@ -27,7 +31,8 @@ from latim_jax.model.inputs import (
 )
 from latim_jax.model.jit import bound_compiled_programs, jit_model_fn
 from latim_jax.model.layers import normed_linear, rms_norm
-from latim_jax.model.mixers import make_mixer
+from latim_jax.model.mixers import Mamba1Mixer, Mamba2Mixer
+from latim_jax.model.mlp import MLPMixer
 from latim_jax.model.sharding import context
 from latim_jax.parallel.context import XLA, Context
 from latim_jax.parallel.mesh import DATA, P, gather, pad_batch, put
@@ -60,28 +65,39 @@ class ModelOutput:
     residuals: jax.Array
 
 
+# layer kind -> its module (config.LAYER_KINDS)
+MIXERS = {"mamba1": Mamba1Mixer, "mamba2": Mamba2Mixer, "attention": AttentionMixer, "mlp": MLPMixer}
+
 # a prompt of at least this many positions runs in_proj with its pre-norm folded past the product
 FOLD_FROM_LENGTH = 4096
 
 
 class Block(nnx.Module):
-    """Pre-norm residual block: h + Mixer(RMSNorm(h)); ``kind`` is its mixer's layer kind.
+    """Pre-norm residual block: h + Mixer(RMSNorm(h)); ``kind`` is its mixer's layer kind (the Mamba
+    mixer of ``config.version`` unless given).
 
     ``fold_from``: from this prompt length on, in_proj runs with the pre-norm folded past the product
     (:func:`latim_jax.model.layers.normed_linear`; the same value to fp32 rounding, faster on long
     inputs). The choice depends on the length alone, so a prompt alone and inside a batch take the
     same branch; a plain attribute of the module, so changing it retraces."""
 
-    def __init__(self, config: MambaConfig, params: dict, *, fold_from: int = FOLD_FROM_LENGTH):
+    def __init__(
+        self, config: MambaConfig, params: dict, *, kind: str | None = None, fold_from: int = FOLD_FROM_LENGTH
+    ):
         self.config = config
         self.norm = nnx.Param(jnp.asarray(params["norm"]))
-        self.mixer = make_mixer(config, params["mixer"])
+        self.mixer = MIXERS[kind or f"mamba{config.version}"](config, params["mixer"])
         self.fold_from = fold_from
 
     @property
     def kind(self) -> str:
-        """The layer kind: "mamba1" or "mamba2"."""
+        """The layer kind: "mamba1", "mamba2", "attention" or "mlp"."""
         return self.mixer.kind
+
+    @property
+    def is_ssm(self) -> bool:
+        """Whether the mixer is a Mamba mixer (an in_proj the pre-norm can fold into)."""
+        return self.kind.startswith("mamba")
 
     def normed(self, h, *, hold_fixed=False):
         """The mixer input xhat = RMSNorm(h), cast to the weight dtype as the reference does;
@@ -101,11 +117,13 @@ class Block(nnx.Module):
 
     def __call__(self, h, *, mask, ctx: Context = XLA):
         """h (b, l, d) fp32 -> h + o; ``mask`` (b, l) bool of valid positions."""
-        return h.astype(f32) + self.mixer(mask=mask, ctx=ctx, projected=self.projected(h))
+        if self.is_ssm:
+            return h.astype(f32) + self.mixer(mask=mask, ctx=ctx, projected=self.projected(h))
+        return h.astype(f32) + self.mixer(self.normed(h), mask=mask, ctx=ctx)
 
 
 class MambaLM(nnx.Module):
-    """A Mamba-1 or Mamba-2 causal language model.
+    """A Mamba-1 or Mamba-2 causal language model, or a hybrid of Mamba, attention and MLP sublayers.
 
     Build one with :func:`latim_jax.load` (from a checkpoint) or ``MambaLM(config, params)``
     (``latim_jax.model.init.init_params(config, seed)`` gives random parameters for training from
@@ -116,7 +134,9 @@ class MambaLM(nnx.Module):
         check_params(config, params)
         self.config = config
         self.embedding = nnx.Param(jnp.asarray(params["embedding"]))
-        self.layers = nnx.List([Block(config, p) for p in params["layers"]])
+        self.layers = nnx.List(
+            [Block(config, p, kind=k) for p, k in zip(params["layers"], config.kinds, strict=True)]
+        )
         self.norm_f = nnx.Param(jnp.asarray(params["norm_f"]))
         self.lm_head = nnx.Param(jnp.asarray(params["lm_head"])) if "lm_head" in params else None
         self._task_json = ""  # plain strings keep the module's graph hashable
@@ -245,9 +265,10 @@ class MambaLM(nnx.Module):
         """Logits (b, l, v) fp32 for int token ids (b, l) (or ``inputs_embeds``; see :meth:`forward`)."""
         return self.forward(tokens, mask=mask, inputs_embeds=inputs_embeds, impl=impl, mesh=mesh).logits
 
-    def init_cache(self, batch: int):
-        """Zero recurrent caches, one (conv, ssm) pair per layer."""
-        return [b.mixer.init_cache(batch) for b in self.layers]
+    def init_cache(self, batch: int, max_length: int = 0):
+        """Empty caches, one per layer: (conv, ssm) for a Mamba mixer, keys and values for attention
+        (room for ``max_length`` positions: the prompt and what is generated), nothing for an MLP."""
+        return [b.mixer.init_cache(batch, max_length) for b in self.layers]
 
     def step(self, token, cache, valid):
         """One decoding step: token ids (b,) -> (logits (b, v), new cache); ``valid`` (b,) bool: False

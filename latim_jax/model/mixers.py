@@ -12,10 +12,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from latim_jax.kernels import dispatch, f32
-from latim_jax.model.config import MambaConfig
 from latim_jax.model.layers import (
     activation,
     activation_gate,
@@ -23,7 +21,9 @@ from latim_jax.model.layers import (
     causal_conv_step,
     group_rms,
     linear,
+    rms_norm,
 )
+from latim_jax.model.params import ParamModule
 from latim_jax.parallel.context import XLA, Context
 
 _PARAM_NAMES = (
@@ -82,26 +82,10 @@ CHANNEL_AXIS = {
 }
 
 
-class _Mixer(nnx.Module):
-    """Shared parameter handling. ``kind`` names the layer kind ("mamba1" / "mamba2"): the key under
-    which the decomposition registers how to write this mixer's output as a sum over source tokens
-    (latim_jax.latim.kinds)."""
+class _Mixer(ParamModule):
+    """What both Mamba mixers share. ``kind`` names the layer kind ("mamba1" / "mamba2")."""
 
-    kind = ""
-
-    def __init__(self, config: MambaConfig, params: dict):
-        self.config = config
-        for name in _PARAM_NAMES:
-            if name in params:
-                setattr(self, name, nnx.Param(jnp.asarray(params[name])))
-
-    def _get(self, name):
-        p = getattr(self, name, None)
-        return None if p is None else p[...]
-
-    def param_dict(self) -> dict:
-        """The mixer's parameters as a plain dict of arrays (the layout of config.param_shapes)."""
-        return {n: getattr(self, n)[...] for n in _PARAM_NAMES if hasattr(self, n)}
+    NAMES = _PARAM_NAMES
 
     @property
     def A(self):
@@ -158,6 +142,8 @@ class Mamba1Mixer(_Mixer):
         c = self.config
         dbc = linear(v, self.x_proj[...])
         dt_low, B, C = jnp.split(dbc, [c.dt_rank, c.dt_rank + c.d_state], axis=-1)
+        if c.bcdt_norm:  # FalconMamba / Jamba: RMS-normalise dt's input, B and C (per token, no weight)
+            dt_low, B, C = (_unit_rms(t, c.bcdt_eps, self.x_proj[...].dtype) for t in (dt_low, B, C))
         pre = linear(dt_low, self.dt_proj[...]) + self.dt_bias[...].astype(f32)
         delta = jax.nn.softplus(jnp.where(mask[..., None], pre, -jnp.inf))
         return delta, B, C
@@ -178,8 +164,8 @@ class Mamba1Mixer(_Mixer):
         (G,) = _held((jax.nn.silu(z),), hold_fixed)
         return Intermediates(u=u, c=c, delta=delta, B=B, C=C, y=y, G=G)
 
-    def init_cache(self, batch: int):
-        """Zero recurrent cache: (conv (b, k-1, e), ssm (b, e, n))."""
+    def init_cache(self, batch: int, max_length: int = 0):
+        """Zero recurrent cache: (conv (b, k-1, e), ssm (b, e, n)) (not growing with length)."""
         c = self.config
         return (
             jnp.zeros((batch, c.d_conv - 1, c.conv_dim), f32),
@@ -251,8 +237,8 @@ class Mamba2Mixer(_Mixer):
         (G,) = _held((self.gate(y, z),), hold_fixed)
         return Intermediates(u=u, c=conv, delta=delta, B=B, C=C, y=y, G=G)
 
-    def init_cache(self, batch: int):
-        """Zero recurrent cache: (conv (b, k-1, e+2gn), ssm (b, h, p, n))."""
+    def init_cache(self, batch: int, max_length: int = 0):
+        """Zero recurrent cache: (conv (b, k-1, e+2gn), ssm (b, h, p, n)) (not growing with length)."""
         c = self.config
         return (
             jnp.zeros((batch, c.d_conv - 1, c.conv_dim), f32),
@@ -293,6 +279,7 @@ def _skip_padding(delta, mask):
     return delta * mask[..., None].astype(delta.dtype)
 
 
-def make_mixer(config: MambaConfig, params: dict) -> _Mixer:
-    """The mixer module of ``config.version`` holding ``params`` (one layer's 'mixer' dict)."""
-    return (Mamba1Mixer if config.version == 1 else Mamba2Mixer)(config, params)
+def _unit_rms(x, eps, dtype):
+    """x / rms(x) over the last axis (RMSNorm without weight), rounded to ``dtype`` as the reference
+    returns it in the input's dtype, in fp32."""
+    return rms_norm(x, jnp.ones((), f32), eps).astype(dtype).astype(f32)

@@ -1,0 +1,189 @@
+"""Softmax attention sublayers of hybrid models (Nemotron-H, Bamba, Granite-4, Jamba, ...) as a Flax NNX
+module (shape letters: see latim_jax.model.config; H query heads, G key/value heads, a head dim).
+
+    q = xhat W_q (+ b_q), k = xhat W_k (+ b_k), v = xhat W_v (+ b_v)        rotary on q, k when rope_theta
+    alpha^h_{ij} = softmax_j(scale * q^h_i . k^{g(h)}_j) over the allowed sources j of i
+    o_i = concat_h(sum_j alpha^h_{ij} v^{g(h)}_j) W_o (+ b_o)                 g(h) = h // (H / G)
+
+Allowed sources (:func:`allowed`, the one definition that the forward and the decomposition share):
+j <= i, within the sliding window when there is one, and real (``mask``); a padding target, which
+may have no real source, attends to itself so that every row is a distribution. Positions count
+from 0 at the first column: rotary scores depend only on i - j, so a left-padded prompt equals the
+prompt alone.
+
+The forward runs over tiles of target rows (:data:`ROW_TILE`), so no (l, l) array per head is held
+beyond one tile; each row's log-sum-exp is kept (``lse``), from which the decomposition rebuilds
+alpha tile by tile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from latim_jax.kernels import f32
+from latim_jax.model.layers import linear
+from latim_jax.model.params import ParamModule
+from latim_jax.parallel.context import XLA, Context
+
+ROW_TILE = 256
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionIntermediates:
+    """What one attention sublayer computed for one input (fp32).
+
+    q: (b, l, H, a) queries after the rotary embedding, scaled by the softmax scale
+    k: (b, l, G, a) keys after the rotary embedding
+    v: (b, l, G, a) values WITHOUT their bias (the bias belongs to no token: sum_j alpha_ij = 1)
+    lse: (b, H, l) each row's log-sum-exp of its allowed logits
+    attn: (b, l, H a) the heads' outputs before W_o (value bias included)
+    """
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    lse: jax.Array
+    attn: jax.Array
+
+
+def allowed(rows, cols, mask, window: int):
+    """(b, r, w) bool: may target i (``rows``) read source j (``cols``)? j <= i, i - j < window (when
+    window > 0), j real (``mask`` (b, l); columns past l are not), or j = i."""
+    length = mask.shape[1]
+    i, j = rows[:, None], cols[None, :]
+    ok = j <= i
+    if window:
+        ok = ok & (i - j < window)
+    real = jnp.take(mask, jnp.minimum(cols, length - 1), axis=1) & (cols < length)[None]  # (b, w)
+    return (ok[None] & real[:, None, :]) | (i == j)[None]
+
+
+def logits(q, k, rows, cols, mask, window: int):
+    """Masked logits (b, H, r, w): q (b, r, H, a) the rows' scaled queries, k (b, w, G, a) the columns'
+    keys; -inf where :func:`allowed` says no."""
+    b, r, H, a = q.shape
+    G = k.shape[2]
+    qg = q.reshape(b, r, G, H // G, a)
+    s = jnp.einsum("brgqa,bwga->bgqrw", qg, k, preferred_element_type=f32).reshape(b, H, r, k.shape[1])
+    return jnp.where(allowed(rows, cols, mask, window)[:, None], s, -jnp.inf)
+
+
+def rotary(x, positions, theta: float, dim: int):
+    """The rotary embedding (rotate-half form) on the first ``dim`` channels of x (b, l, heads, a) at
+    ``positions`` (l,); the rest pass unchanged."""
+    half = dim // 2
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=f32) / dim))
+    angles = positions.astype(f32)[:, None] * inv_freq[None]  # (l, dim / 2)
+    cos, sin = jnp.cos(angles)[None, :, None], jnp.sin(angles)[None, :, None]
+    x1, x2, rest = x[..., :half], x[..., half:dim], x[..., dim:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
+
+
+class AttentionMixer(ParamModule):
+    """Causal softmax attention with grouped key/value heads, optional rotary embedding and sliding
+    window (transformers' eager attention semantics)."""
+
+    kind = "attention"
+    NAMES = ("q_proj", "q_b", "k_proj", "k_b", "v_proj", "v_b", "o_proj", "o_b")
+
+    @property
+    def scale(self) -> float:
+        """The softmax scale (config.attn_scale, or 1 / sqrt(head dim))."""
+        c = self.config
+        return c.attn_scale or 1.0 / math.sqrt(c.attn_head_dim)
+
+    def project(self, x, positions):
+        """q (scaled), k, v without bias, and v's bias per head: x (b, l, d) -> (b, l, H|G, a) fp32."""
+        c = self.config
+        b, l, _ = x.shape
+        a = c.attn_head_dim
+        q = linear(x, self.q_proj[...], self._get("q_b")).reshape(b, l, c.attn_heads, a)
+        k = linear(x, self.k_proj[...], self._get("k_b")).reshape(b, l, c.attn_kv_heads, a)
+        v = linear(x, self.v_proj[...]).reshape(b, l, c.attn_kv_heads, a)
+        if c.rope_theta:
+            dim = c.rope_dim or a
+            q, k = rotary(q, positions, c.rope_theta, dim), rotary(k, positions, c.rope_theta, dim)
+        return q * self.scale, k, v
+
+    def value_bias(self):
+        """(H a,) the value bias of every query head's group (zeros without a bias)."""
+        c = self.config
+        vb = self._get("v_b")
+        if vb is None:
+            return jnp.zeros((c.attn_heads * c.attn_head_dim,), f32)
+        vb = vb.astype(f32).reshape(c.attn_kv_heads, 1, c.attn_head_dim)
+        return jnp.broadcast_to(
+            vb, (c.attn_kv_heads, c.attn_heads // c.attn_kv_heads, c.attn_head_dim)
+        ).reshape(-1)
+
+    def intermediates(self, x, *, mask, ctx: Context = XLA, hold_fixed=False) -> AttentionIntermediates:
+        """q, k, v, each row's log-sum-exp and the heads' outputs for the normalised input x (b, l, d);
+        ``mask`` (b, l) bool of real positions. ``hold_fixed``: no gradient through the attention
+        weights (q, k and the log-sum-exp): the sublayer is then linear in its values."""
+        del ctx  # attention runs on XLA everywhere
+        c = self.config
+        b, l, _ = x.shape
+        q, k, v = self.project(x, jnp.arange(l))
+        if hold_fixed:
+            q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
+        vb = self.value_bias().reshape(c.attn_heads, c.attn_head_dim)
+        tile = min(ROW_TILE, l)
+        n = -(-l // tile)
+        cols = jnp.arange(l)
+        G, rep = c.attn_kv_heads, c.attn_heads // c.attn_kv_heads
+
+        def rows_tile(t):
+            rows = t * tile + jnp.arange(tile)
+            qr = jnp.take(q, rows, axis=1, mode="clip")
+            s = logits(qr, k, rows, cols, mask, c.sliding_window)  # (b, H, r, l)
+            lse = jax.nn.logsumexp(s, axis=-1)  # (b, H, r)
+            alpha = jnp.exp(s - lse[..., None]).reshape(b, G, rep, tile, l)
+            out = jnp.einsum("bgqrw,bwga->brgqa", alpha, v).reshape(b, tile, c.attn_heads, c.attn_head_dim)
+            return lse, out + vb
+
+        lse, out = jax.lax.map(rows_tile, jnp.arange(n))  # (n, b, H, tile), (n, b, tile, H, a)
+        lse = jnp.moveaxis(lse, 0, 2).reshape(b, c.attn_heads, n * tile)[..., :l]
+        out = jnp.moveaxis(out, 0, 1).reshape(b, n * tile, -1)[:, :l]
+        if hold_fixed:
+            lse = jax.lax.stop_gradient(lse)
+        return AttentionIntermediates(q=q, k=k, v=v, lse=lse, attn=out)
+
+    def output(self, inter: AttentionIntermediates):
+        """o = attn W_o (+ b_o), (b, l, d) fp32."""
+        return linear(inter.attn, self.o_proj[...], self._get("o_b"))
+
+    def __call__(self, x, *, mask, ctx: Context = XLA):
+        """The sublayer output o (b, l, d) fp32 for the normalised input x (b, l, d)."""
+        return self.output(self.intermediates(x, mask=mask, ctx=ctx))
+
+    def init_cache(self, batch: int, max_length: int):
+        """An empty key/value cache for ``max_length`` positions: (k, v (b, max_length, G, a), real
+        (b, max_length) bool, the next position (int32 scalar))."""
+        c = self.config
+        shape = (batch, max_length, c.attn_kv_heads, c.attn_head_dim)
+        return (
+            jnp.zeros(shape, f32),
+            jnp.zeros(shape, f32),
+            jnp.zeros((batch, max_length), bool),
+            jnp.int32(0),
+        )
+
+    def step(self, x_t, cache, valid):
+        """One token x_t (b, d) at the cache's next position -> (o_t (b, d), cache); ``valid`` (b,)
+        bool: False marks padding, which no later token reads."""
+        c = self.config
+        keys, values, real, t = cache
+        q, k, v = self.project(x_t[:, None], t[None])
+        keys = jax.lax.dynamic_update_slice_in_dim(keys, k, t, 1)
+        values = jax.lax.dynamic_update_slice_in_dim(values, v, t, 1)
+        real = jax.lax.dynamic_update_slice_in_dim(real, valid[:, None], t, 1)
+        cols = jnp.arange(keys.shape[1])
+        s = logits(q, keys, t[None], cols, real, c.sliding_window)  # (b, H, 1, L)
+        alpha = jax.nn.softmax(s, axis=-1).reshape(x_t.shape[0], c.attn_kv_heads, -1, keys.shape[1])
+        out = jnp.einsum("bgqw,bwga->bgqa", alpha, values).reshape(x_t.shape[0], -1) + self.value_bias()
+        return linear(out, self.o_proj[...], self._get("o_b")), (keys, values, real, t + 1)

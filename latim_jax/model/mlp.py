@@ -1,0 +1,57 @@
+"""Token-wise MLP sublayers of hybrid models as a Flax NNX module (shape letters: see
+latim_jax.model.config; f the hidden width).
+
+    plain:  o = act(xhat W_up (+ b_up)) W_down (+ b_down)                       (Nemotron-H: relu^2)
+    gated:  o = (act(xhat W_gate (+ b_gate)) * (xhat W_up (+ b_up))) W_down (+ b_down)   (SwiGLU)
+
+Each position's output depends on that position alone: the decomposition writes it as
+T_i(x_j) = [i = j] o_i (latim_jax.latim.tokenwise).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from latim_jax.kernels import f32
+from latim_jax.model.layers import linear
+from latim_jax.model.params import ParamModule
+from latim_jax.parallel.context import XLA, Context
+
+MLP_ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "relu": jax.nn.relu,
+    "relu2": lambda x: jnp.square(jax.nn.relu(x)),
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+}
+
+
+class MLPMixer(ParamModule):
+    """A (gated) two-layer MLP applied to each position alone."""
+
+    kind = "mlp"
+    NAMES = ("gate_proj", "gate_b", "up_proj", "up_b", "down_proj", "down_b")
+
+    def hidden(self, x):
+        """The hidden activations (b, l, f) fp32 for the normalised input x (b, l, d)."""
+        act = MLP_ACTIVATIONS[self.config.mlp_activation]
+        up = linear(x, self.up_proj[...], self._get("up_b"))
+        if self.config.mlp_gated:
+            return act(linear(x, self.gate_proj[...], self._get("gate_b"))) * up
+        return act(up)
+
+    def __call__(self, x, *, mask=None, ctx: Context = XLA):
+        """The sublayer output o (b, l, d) fp32 (``mask`` and ``ctx`` are unused: nothing mixes tokens)."""
+        del mask, ctx
+        return linear(self.hidden(x), self.down_proj[...], self._get("down_b")).astype(f32)
+
+    def init_cache(self, batch: int, max_length: int):
+        """No state: an MLP remembers nothing between tokens."""
+        del batch, max_length
+        return ()
+
+    def step(self, x_t, cache, valid):
+        """One token x_t (b, d) -> (o_t (b, d), cache)."""
+        del valid
+        return self(x_t[:, None])[:, 0], cache

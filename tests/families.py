@@ -1,0 +1,64 @@
+"""Tiny random transformers models of the hybrid families and Mamba variants, built from transformers'
+own classes (never a hub download), with their norms, D, A_log and biases perturbed so that a skipped
+term shows. Each builder takes the options a family's configurations vary in."""
+
+from __future__ import annotations
+
+
+def _perturb(model, seed: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("norm_f.weight") or "layernorm" in name:
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+            elif name.endswith("dt_bias") or name.endswith(".D") or "bias" in name:
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+            elif name.endswith("A_log"):
+                p.copy_(torch.rand(p.shape, generator=g) * 2 - 1)
+    return model.eval()
+
+
+def falcon_mamba(*, seed=0, vocab=48, d_model=16, n_layers=2, d_state=4, use_bias=False, tied=True, eps=1e-6):
+    """transformers' FalconMambaForCausalLM (Mamba-1 with RMS-normalised dt input, B and C)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.FalconMambaConfig(
+        vocab_size=vocab, hidden_size=d_model, state_size=d_state, num_hidden_layers=n_layers, expand=2,
+        conv_kernel=4, use_bias=use_bias, tie_word_embeddings=tied, mixer_rms_eps=eps,
+    )  # fmt: skip
+    return _perturb(transformers.FalconMambaForCausalLM(cfg), seed)
+
+
+def nemotron_h(
+    *, seed=0, vocab=48, d_model=32, pattern="M*-M", heads=4, kv_heads=2, head_dim=8, mamba_heads=4,
+    mamba_head_dim=8, n_groups=2, d_state=8, chunk_size=4, mlp_width=40, use_bias=False, mlp_bias=False,
+    act="relu2", small_dt=True,
+):  # fmt: skip
+    """transformers' NemotronHForCausalLM with the layer pattern ``pattern`` (M Mamba-2, * attention, -
+    MLP), grouped-query attention and grouped B/C by default. ``small_dt``: the first head of every Mamba
+    layer gets softplus(dt + dt_bias) far below time_step_min, so the family's dt floor is exercised."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.NemotronHConfig(
+        vocab_size=vocab, hidden_size=d_model, hybrid_override_pattern=pattern, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=mlp_width,
+        mamba_num_heads=mamba_heads, mamba_head_dim=mamba_head_dim, n_groups=n_groups,
+        ssm_state_size=d_state, conv_kernel=4, chunk_size=chunk_size, use_bias=use_bias, mlp_bias=mlp_bias,
+        mlp_hidden_act=act,
+    )  # fmt: skip
+    model = _perturb(transformers.NemotronHForCausalLM(cfg), seed)
+    if small_dt:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("dt_bias"):
+                    p[0] = -12.0
+    return model
+
+
+BUILDERS = {"falcon_mamba": falcon_mamba, "nemotron_h": nemotron_h}

@@ -1,0 +1,160 @@
+"""The Mamba variants and hybrid families against transformers, from checkpoints written by transformers'
+own save_pretrained: logits and every layer's stream, padded batches, generation, and the failing-first
+checks (drop a family feature from the Flax model: the parity test must fail)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from conftest import rel_err
+from families import BUILDERS
+
+import latim_jax
+from latim_jax.model.generate import generate, prefill
+from latim_jax.model.lm import MambaLM
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.torch
+
+TOL = 1e-5
+VARIANTS = {
+    "falcon_mamba": ("falcon_mamba", {}),
+    "falcon_mamba_bias_untied": ("falcon_mamba", dict(use_bias=True, tied=False, d_state=8, eps=1e-3)),
+    "nemotron_h": ("nemotron_h", {}),
+    # MHA, one group, a bias on the Mamba projections and the MLP, attention first, plain relu
+    "nemotron_h_mha": (
+        "nemotron_h",
+        dict(pattern="*M-M*", kv_heads=4, n_groups=1, use_bias=True, mlp_bias=True, act="relu", chunk_size=8),
+    ),
+    # multi-query attention, groups = heads
+    "nemotron_h_mqa": ("nemotron_h", dict(pattern="M-*", kv_heads=1, n_groups=4, head_dim=16)),
+}
+
+
+@pytest.fixture(scope="module")
+def family_dir(tmp_path_factory):
+    cache = {}
+
+    def make(name):
+        if name not in cache:
+            family, kw = VARIANTS[name]
+            model = BUILDERS[family](**kw)
+            path = tmp_path_factory.mktemp(name)
+            model.save_pretrained(path)
+            cache[name] = (path, model)
+        return cache[name]
+
+    return make
+
+
+def reference(model, tokens, mask=None):
+    with torch.no_grad():
+        kw = {} if mask is None else {"attention_mask": torch.from_numpy(np.asarray(mask, np.int64))}
+        out = model(torch.from_numpy(np.asarray(tokens)), output_hidden_states=True, **kw)
+    return out.logits.float().numpy(), [h.float().numpy() for h in out.hidden_states]
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_logits_and_streams_match_transformers(family_dir, name):
+    path, ref = family_dir(name)
+    model = latim_jax.load(path)
+    assert model.config.family == VARIANTS[name][0]
+    rng = np.random.default_rng(0)
+    for length in (1, 11, 19):  # past the Mamba-2 chunk
+        tokens = rng.integers(0, model.config.n_tokens, (2, length))
+        logits, hidden = reference(ref, tokens)
+        out = model.forward(tokens)
+        assert rel_err(out.logits, logits) < TOL, (name, length)
+        # transformers' hidden_states: the Mamba models' start after layer 0 (no embeddings), the
+        # hybrids' with the embeddings; both end with the final norm's output
+        skip = 1 if model.config.version == 1 else 0
+        for i in range(model.config.n_layers - 1 + skip):
+            assert rel_err(out.residuals[i + skip], hidden[i]) < TOL, (name, length, i)
+        assert rel_err(model.final_hidden(out.residuals[-1]), hidden[-1]) < TOL
+
+
+@pytest.mark.parametrize("name", ["nemotron_h", "nemotron_h_mha", "falcon_mamba"])
+def test_padded_batch_equals_each_prompt_alone_and_transformers(family_dir, name):
+    path, ref = family_dir(name)
+    model = latim_jax.load(path)
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, model.config.n_tokens, (2, 15))
+    mask = np.ones((2, 15), bool)
+    mask[1, :6] = False  # left padding
+    logits = np.asarray(model(tokens, mask=mask))
+    alone = np.asarray(model(tokens[1:, 6:]))
+    assert rel_err(logits[1, 6:], alone[0]) < TOL
+    assert rel_err(logits[0], np.asarray(model(tokens[:1]))[0]) < TOL
+    want, _ = reference(ref, tokens[1:, 6:])  # transformers on the prompt alone (its own padded run feeds
+    assert rel_err(logits[1, 6:], want[0]) < TOL  # an in_proj bias at pad positions into the conv window)
+
+
+@pytest.mark.parametrize("name", ["nemotron_h", "falcon_mamba"])
+def test_generation_equals_the_full_forward(family_dir, name):
+    path, _ = family_dir(name)
+    model = latim_jax.load(path)
+    tokens = np.random.default_rng(2).integers(0, model.config.n_tokens, (2, 9))
+    stepped, _ = prefill(model, tokens)
+    assert rel_err(stepped, model(tokens)) < TOL
+    out = np.asarray(generate(model, tokens, 6))
+    for k in range(6):  # greedy: each new token is the argmax of the full forward over what came before
+        assert (np.asarray(model(out[:, : 9 + k]))[:, -1].argmax(-1) == out[:, 9 + k]).all()
+
+
+def _without(model, **changes):
+    """The same weights under a config with ``changes``: a model missing one family feature."""
+    return MambaLM(dataclasses.replace(model.config, **changes), model.params())
+
+
+@pytest.mark.parametrize(
+    "name, changes",
+    [
+        ("falcon_mamba", dict(bcdt_norm=False)),  # skip the dt / B / C norms
+        ("nemotron_h", dict(attn_kv_heads=4, attn_heads=8, attn_head_dim=4)),  # wrong head split
+        ("nemotron_h", dict(attn_scale=1.0)),  # no softmax scale
+        ("nemotron_h", dict(mlp_activation="relu")),  # relu instead of relu^2
+        ("nemotron_h", dict(time_step_limit=(0.0, float("inf")))),  # no dt floor (time_step_min)
+        ("nemotron_h", dict(rope_theta=10000.0)),  # a rotary embedding the family does not have
+        ("nemotron_h", dict(sliding_window=4)),
+    ],
+)
+def test_parity_fails_without_a_family_feature(family_dir, name, changes):
+    path, ref = family_dir(name)
+    model = latim_jax.load(path)
+    tokens = np.random.default_rng(3).integers(0, model.config.n_tokens, (1, 19))
+    logits, _ = reference(ref, tokens)
+    assert rel_err(model(tokens), logits) < TOL
+    assert rel_err(_without(model, **changes)(tokens), logits) > 10 * TOL, changes  # parity (TOL) fails
+
+
+def test_gqa_groups_are_read_in_transformers_order(family_dir):
+    """Query head h reads key/value group h // (H / G): swapping the two groups breaks parity."""
+    path, ref = family_dir("nemotron_h")
+    model = latim_jax.load(path)
+    params = model.params()
+    c = model.config
+    layer = c.kinds.index("attention")
+    a = c.attn_head_dim
+    for name in ("k_proj", "v_proj"):
+        w = np.asarray(params["layers"][layer]["mixer"][name])
+        params["layers"][layer]["mixer"][name] = np.concatenate([w[:, a:], w[:, :a]], axis=1)
+    tokens = np.random.default_rng(4).integers(0, c.n_tokens, (1, 13))
+    logits, _ = reference(ref, tokens)
+    assert rel_err(MambaLM(c, params)(tokens), logits) > 100 * TOL
+
+
+def test_unsupported_layer_kinds_and_fields_name_the_key(tmp_path):
+    from latim_jax.convert.errors import CheckpointError
+    from latim_jax.convert.hf import config_from_hf
+
+    base = {"model_type": "nemotron_h", "hidden_size": 32, "vocab_size": 48}
+    with pytest.raises(CheckpointError, match=r"layers_block_type\[1\].*mixture-of-experts"):
+        config_from_hf({**base, "layers_block_type": ["mamba", "moe"]})
+    with pytest.raises(CheckpointError, match=r"hybrid_override_pattern\[2\].*unknown layer type"):
+        config_from_hf({**base, "hybrid_override_pattern": "M*X"})
+    with pytest.raises(CheckpointError, match="mystery_field"):
+        config_from_hf({**base, "hybrid_override_pattern": "M*", "mystery_field": 1})
+    with pytest.raises(CheckpointError, match="num_hidden_layers"):
+        config_from_hf({**base, "hybrid_override_pattern": "M*", "num_hidden_layers": 3})
