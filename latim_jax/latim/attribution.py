@@ -381,7 +381,9 @@ def score_layer(block, h, mask, rows, direction, *, job: LayerJob, ctx: Context)
     (O(l): one scan, the factors' token_total); with_next: "next" = h + o, the stream entering the next
     layer (from this layer's own intermediates: no second scan)."""
     f = factors(block, h, mask, ctx, job.mode, hold_fixed=job.hold_fixed, with_total=job.with_error)
-    aux = jnp.einsum("bld,ed->ble", direction, f.W_out) if job.method == "logit" else None
+    aux = None
+    if job.method == "logit":
+        aux = direction if f.W_out is None else jnp.einsum("bld,ed->ble", direction, f.W_out)
     common = dict(mask=mask, ctx=ctx, blocks=job.blocks, precision=job.precision)
     if job.with_alti:  # every row: the logit scores and the alti maps of the rollout, in one pass
         out = dict(

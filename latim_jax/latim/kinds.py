@@ -13,7 +13,7 @@ only this interface of the factors:
     length                     l
     h, output, bias            (b, l, d): the stream entering the layer, the sublayer's output o, and
                                beta, the part of o that belongs to no token
-    W_out                      (e, d): T_i(x_j) = V_{i,j} @ W_out
+    W_out                      (e, d): T_i(x_j) = V_{i,j} @ W_out; None: V_{i,j} is T_i(x_j) (e = d)
     token_total                (b, l, d) sum_j T_i(x_j) in O(l) (when built with with_total), or None
     pair_values(rows, j0, width, blocks, channels_first=False)
                                V (b, r, width, e) for target rows ``rows`` and sources [j0, j0 + width)
@@ -21,7 +21,9 @@ only this interface of the factors:
     tiles(n_rows, blocks)      the kind's default tiles completed with the caller's ``blocks``
 
 and, where the kind has one, ``ssm`` (:class:`latim_jax.kernels.decay.SSM`): the hidden-attention
-inputs, which the hidden-attention baseline and the fused Pallas score kernel read.
+inputs, which the hidden-attention baseline and the fused Pallas score kernel read; a kind without
+one gives its own map as ``attention_map(rows, j0, width)`` (b, r, width) (attention: the forward's
+weights averaged over heads; token-wise: the identity).
 
 A new kind (an attention sublayer, a token-wise MLP, a parallel block) plugs in here: a mixer module in
 :mod:`latim_jax.model` whose ``kind`` names it, a module beside this one that builds its factors, and
@@ -32,12 +34,18 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from latim_jax.kernels import f32
 from latim_jax.kernels.block_sizes import Blocks
-from latim_jax.latim import mamba
+from latim_jax.latim import attention, mamba, tokenwise
 from latim_jax.model.inputs import check_mask
 from latim_jax.parallel.context import XLA, Context, resolve
 
-KINDS = {"mamba1": mamba.factors, "mamba2": mamba.factors}
+KINDS = {
+    "mamba1": mamba.factors,
+    "mamba2": mamba.factors,
+    "attention": attention.factors,
+    "mlp": tokenwise.factors,
+}
 MODES = mamba.MODES
 check_mode = mamba.check_mode
 
@@ -63,4 +71,22 @@ def full_contributions(f, blocks: Blocks | None = None):
     """T (b, l, l, d): T[:, i, j] = T_i(x_j), exactly zero for j > i (small inputs only)."""
     idx = jnp.arange(f.length)
     blocks = f.tiles(None, blocks)
-    return jnp.einsum("brje,ed->brjd", f.pair_values(idx, 0, f.length, blocks), f.W_out)
+    return project(f.pair_values(idx, 0, f.length, blocks), f.W_out)
+
+
+def project(V, W_out, precision: str = "float32", channels_first: bool = False):
+    """T = V @ W_out over e: (b, r, q, e) x (e, d) -> (b, r, q, d), the score path's dominant matrix
+    product (``W_out`` None: V is T already); "bfloat16" rounds both operands to bf16 and accumulates
+    in fp32 (matrix units). ``channels_first``: V is (b, e, r, q)."""
+    if W_out is None:
+        return jnp.moveaxis(V, 1, 3) if channels_first else V
+    if precision == "bfloat16":
+        V, W_out = V.astype(jnp.bfloat16), W_out.astype(jnp.bfloat16)
+    spec = "berj,ed->brjd" if channels_first else "brje,ed->brjd"
+    return jnp.einsum(spec, V, W_out, preferred_element_type=f32)
+
+
+def has_ssm(f) -> bool:
+    """Whether the factors carry a hidden attention M (the Mamba kinds): the fused Pallas kernel and
+    the hidden-attention baseline's tiles read it."""
+    return getattr(f, "ssm", None) is not None

@@ -197,7 +197,7 @@ def pair_values(f: MambaFactors, rows, j0, width: int, blocks: Blocks, *, channe
     resolved tiles (Mamba-1 reads ``m1_few_rows`` and ``m1_direct_rows``).
     ``channels_first``: Mamba-1 only, V as (b, e, r, width), the layout its far tiles' per-channel
     (r x n)(n x q) product makes, for a projection that contracts e where it lies (:func:`latim_jax.
-    latim.scores.project`). Returning (b, r, width, e) from the far/near cond made XLA:CPU write V twice
+    latim.kinds.project`). Returning (b, r, width, e) from the far/near cond made XLA:CPU write V twice
     per far tile (a transpose, then a copy into the cond's layout); now it transposes once, and the
     gate and the bf16 cast ride on the second pass (one 130m layer at L = 1024: 3.7-4.5% faster).
     """

@@ -32,6 +32,7 @@ from latim_jax.kernels.block_sizes import Blocks
 from latim_jax.kernels.fused_scores_tiles import alti_gain_signed
 from latim_jax.latim.blocking import blocked, row_tiles
 from latim_jax.latim.hidden_attention import AGGREGATIONS, DEFAULT_AGGREGATION, hidden_attention_scores
+from latim_jax.latim.kinds import has_ssm, project
 from latim_jax.parallel.context import XLA, Context
 from latim_jax.parallel.mesh import DATA, MODEL, P
 
@@ -46,16 +47,6 @@ def safe_norm(x, axis):
     sq = jnp.sum(x * x, axis=axis)
     zero = sq == 0  # NaN is not zero: it propagates, so non-finite inputs are reported
     return jnp.where(zero, 0.0, jnp.sqrt(jnp.where(zero, 1.0, sq)))
-
-
-def project(V, W_out, precision: str = "float32", channels_first: bool = False):
-    """T = V @ W_out over e: (b, r, q, e) x (e, d) -> (b, r, q, d), the score path's dominant matrix
-    product; "bfloat16" rounds both operands to bf16 and accumulates in fp32 (matrix units).
-    ``channels_first``: V is (b, e, r, q)."""
-    if precision == "bfloat16":
-        V, W_out = V.astype(jnp.bfloat16), W_out.astype(jnp.bfloat16)
-    spec = "berj,ed->brjd" if channels_first else "brje,ed->brjd"
-    return jnp.einsum(spec, V, W_out, preferred_element_type=f32)
 
 
 def pair_score(f, method: str, rows, j0, blocks: Blocks, aux=None, precision: str = "float32"):
@@ -126,13 +117,16 @@ def layer_scores(
         return _split_layer_scores(f, method, rows, mask, blocks, aux, ctx, aggregation, precision)
     if method == "hidden_attention":
         blocks = f.tiles(rows.shape[0], blocks)
-        return finish_scores(
-            hidden_attention_scores(f.ssm, rows, mask, blocks, aggregation), method, rows, mask
-        )
-    if ctx.kernels and method == "logit+alti":
+        if has_ssm(f):
+            s = hidden_attention_scores(f.ssm, rows, mask, blocks, aggregation)
+        else:  # attention: its own weights; token-wise: the identity (no range to rescale)
+            s = blocked(lambda rb, j0: f.attention_map(rb, j0, blocks.cols), rows, f.length, blocks)
+        return finish_scores(s, method, rows, mask)
+    kernels = ctx.kernels and has_ssm(f)  # the fused kernel builds the Mamba kinds' tiles
+    if kernels and method == "logit+alti":
         common = dict(mask=mask, ctx=ctx, blocks=blocks, precision=precision)
         return layer_scores(f, "logit", rows, aux=aux, **common), layer_scores(f, "alti", rows, **common)
-    if ctx.kernels:
+    if kernels:
         s = fused_scores.fused_layer_scores(
             f, method, rows, aux=aux, block_sizes=blocks, precision=precision, reference=_kernel_reference
         )
@@ -147,15 +141,16 @@ def _split_layer_scores(f, method, rows, mask, blocks, aux, ctx: Context, aggreg
     """:func:`layer_scores` inside ``jax.shard_map``: prompts over "data", target rows over "model"
     (rows padded to a multiple of the axis by repeating the last one). Each device holds the whole
     layer's factors for its prompts: rows are independent given them."""
-    b, r = f.G.shape[0], rows.shape[0]
+    b, r = f.h.shape[0], rows.shape[0]
     m = ctx.axis_size(MODEL)
     data = ctx.axis(DATA) if b % ctx.axis_size(DATA) == 0 else None
     rows_p = row_tiles(rows, m).reshape(-1)
     batch = P(data)
     specs = jax.tree.map(lambda _: batch, f)  # every per-prompt array split over "data"
-    specs = dataclasses.replace(
-        specs, a=P(None, data), W_out=P(), ssm=dataclasses.replace(specs.ssm, A=P(), D=P())
-    )
+    if f.W_out is not None:
+        specs = dataclasses.replace(specs, W_out=P())
+    if has_ssm(f):
+        specs = dataclasses.replace(specs, a=P(None, data), ssm=dataclasses.replace(specs.ssm, A=P(), D=P()))
 
     def scores(f, rows, aux, mask):
         return layer_scores(
@@ -210,6 +205,7 @@ def token_sum(f, rows, *, blocks: Blocks | None = None):
         )
 
     n_rb = -(-rows.shape[0] // br)
-    init = jnp.zeros((f.G.shape[0], n_rb * br, f.W_out.shape[0]), f32)
+    e = f.h.shape[-1] if f.W_out is None else f.W_out.shape[0]
+    init = jnp.zeros((f.h.shape[0], n_rb * br, e), f32)
     _, V = blocked(tile, rows, f.length, blocks, init=init, combine=add)
-    return jnp.einsum("bre,ed->brd", V[:, : rows.shape[0]], f.W_out)
+    return project(V[:, : rows.shape[0], None], f.W_out)[:, :, 0]

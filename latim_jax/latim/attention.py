@@ -1,0 +1,118 @@
+"""The attention layer kind ("attention"): a softmax attention sublayer's output written exactly as a sum
+over source tokens, its attention weights held at their forward values (docs/method.md, section 8;
+the value-path decomposition of Kobayashi et al. 2020, which ALTI builds on).
+
+With alpha^h_{ij} the forward's weights (after softmax, over the allowed sources of i: causal, the
+sliding window, real tokens), v^g_j = xhat_j W_v the value of token j without its bias, and g(h) the
+key/value group of head h:
+
+    T_i(x_j) = concat_h(alpha^h_{ij} v^{g(h)}_j) W_o              (V_{ij} = concat_h(...), W_out = W_o)
+    beta_i   = concat_h(b_v^{g(h)}) W_o + b_o                      (sum_j alpha^h_{ij} = 1)
+    o_i      = sum_{j<=i} T_i(x_j) + beta_i                         exactly, in both modes
+
+alpha is rebuilt per tile from the forward's queries, keys and each row's log-sum-exp
+(:func:`latim_jax.model.attention.logits`, the forward's own masked logits), so no (l, l) array per
+head exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from latim_jax.kernels import f32
+from latim_jax.kernels.block_sizes import Blocks
+from latim_jax.latim.blocking import tiles
+from latim_jax.model.attention import logits
+from latim_jax.model.layers import linear
+from latim_jax.parallel.context import XLA, Context
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionFactors:
+    """One attention sublayer's factors (fp32; see :mod:`latim_jax.latim.kinds` for the interface).
+
+    q (b, l, H, a) scaled queries, k and v (b, l, G, a) keys and bias-free values, lse (b, H, l) the
+    rows' log-sum-exp, mask (b, l) real positions, window the sliding window (0: none); W_out (H a, d),
+    bias, output, h (b, l, d); token_total (b, l, d) or None."""
+
+    window: int = dataclasses.field(metadata=dict(static=True))
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    lse: jax.Array
+    mask: jax.Array
+    W_out: jax.Array
+    bias: jax.Array
+    output: jax.Array
+    h: jax.Array
+    token_total: jax.Array | None
+
+    kind = "attention"
+    channels_first = False
+
+    @property
+    def length(self) -> int:
+        """Sequence length l."""
+        return self.h.shape[1]
+
+    def tiles(self, n_rows: int | None, blocks: Blocks | None) -> Blocks:
+        """The score tiles (Mamba-2's defaults: the same (b, r, q, e) value block per tile)."""
+        return tiles(2, self.length, n_rows, blocks)
+
+    def weights(self, rows, j0, width: int):
+        """alpha (b, H, r, width) for targets ``rows`` and sources [j0, j0 + width) (0 past the end)."""
+        cols = j0 + jnp.arange(width)
+        k = jnp.take(self.k, cols, axis=1, mode="fill", fill_value=0)
+        s = logits(self.q[:, rows], k, rows, cols, self.mask, self.window)
+        return jnp.exp(s - self.lse[:, :, rows][..., None])
+
+    def pair_values(self, rows, j0, width: int, blocks: Blocks, *, channels_first: bool = False):
+        """V_{ij} = concat_h(alpha^h_{ij} v^{g(h)}_j): (b, r, width, H a)."""
+        del blocks, channels_first
+        alpha = self.weights(rows, j0, width)
+        b, H, r, w = alpha.shape
+        G, a = self.v.shape[2:]
+        v = jnp.take(self.v, j0 + jnp.arange(width), axis=1, mode="fill", fill_value=0)
+        V = jnp.einsum("bgqrw,bwga->brwgqa", alpha.reshape(b, G, H // G, r, w), v)
+        return V.reshape(b, r, w, H * a)
+
+    def attention_map(self, rows, j0, width: int):
+        """The forward's attention weights averaged over heads, (b, r, width): this kind's hidden
+        attention (it is the attention itself)."""
+        return jnp.mean(self.weights(rows, j0, width), axis=1)
+
+
+def factors(
+    block, h, mask, ctx: Context = XLA, mode: str = "exact", *, hold_fixed=False, with_total=False
+) -> AttentionFactors:
+    """The factors of one attention block for its input stream h (b, l, d); ``mode`` changes nothing
+    (the decomposition is exact in both); ``hold_fixed``: no gradient through alpha or the pre-norm
+    scale (the sublayer is differentiated as the linear map of its values)."""
+    mixer = block.mixer
+    inter = mixer.intermediates(
+        block.normed(h, hold_fixed=hold_fixed), mask=mask, ctx=ctx, hold_fixed=hold_fixed
+    )
+    W_out = mixer.o_proj[...].astype(f32)
+    vb = mixer.value_bias()
+    bias = linear(vb, W_out, mixer._get("o_b"))
+    dtype = mixer.o_proj[...].dtype
+    if dtype != f32:  # the forward rounds the heads' output to the weight dtype before W_o: no token's
+        bias = bias + linear(inter.attn.astype(dtype).astype(f32) - inter.attn, W_out)
+    bias = jnp.broadcast_to(bias, h.shape)
+    return AttentionFactors(
+        window=block.config.sliding_window,
+        q=inter.q,
+        k=inter.k,
+        v=inter.v,
+        lse=inter.lse,
+        mask=mask,
+        W_out=W_out,
+        bias=bias,
+        output=mixer.output(inter),
+        h=h.astype(f32),
+        token_total=linear(inter.attn - vb, W_out) if with_total else None,
+    )

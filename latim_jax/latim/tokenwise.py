@@ -1,0 +1,68 @@
+"""The token-wise layer kind ("mlp"; MoE and other per-position sublayers alike): a sublayer whose
+output at i reads position i alone mixes no tokens (docs/method.md, section 8):
+
+    T_i(x_j) = [i = j] o_i,   beta_i = 0
+
+so its l2 / l1 maps are diagonal, its ALTI rows one-hot, and in a rollout it is the identity map (the
+residual and the sublayer's output both belong to token i). ``W_out`` is None: V_{ij} is already
+T_i(x_j) (the score path skips the projection).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from latim_jax.kernels import f32
+from latim_jax.kernels.block_sizes import Blocks
+from latim_jax.latim.blocking import tiles
+from latim_jax.parallel.context import XLA, Context
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TokenwiseFactors:
+    """One token-wise sublayer's factors: output o, h (b, l, d); bias zeros; token_total = o."""
+
+    bias: jax.Array
+    output: jax.Array
+    h: jax.Array
+    token_total: jax.Array | None
+
+    kind = "mlp"
+    channels_first = False
+    W_out = None
+
+    @property
+    def length(self) -> int:
+        """Sequence length l."""
+        return self.h.shape[1]
+
+    def tiles(self, n_rows: int | None, blocks: Blocks | None) -> Blocks:
+        """The score tiles (Mamba-2's defaults)."""
+        return tiles(2, self.length, n_rows, blocks)
+
+    def pair_values(self, rows, j0, width: int, blocks: Blocks, *, channels_first: bool = False):
+        """V_{ij} = T_i(x_j) = [i = j] o_i: (b, r, width, d)."""
+        del blocks, channels_first
+        diag = (rows[:, None] == (j0 + jnp.arange(width))[None, :]).astype(f32)  # (r, width)
+        return diag[None, :, :, None] * self.output[:, rows][:, :, None, :]
+
+    def attention_map(self, rows, j0, width: int):
+        """This kind's hidden attention: the identity (each position reads itself), (b, r, width)."""
+        diag = (rows[:, None] == (j0 + jnp.arange(width))[None, :]).astype(f32)
+        return jnp.broadcast_to(diag, (self.h.shape[0], *diag.shape))
+
+
+def factors(
+    block, h, mask, ctx: Context = XLA, mode: str = "exact", *, hold_fixed=False, with_total=False
+) -> TokenwiseFactors:
+    """The factors of one token-wise block for its input stream h (b, l, d) (``mode``, ``mask`` and
+    ``hold_fixed`` change nothing: no token is mixed, nothing is held)."""
+    del mode, hold_fixed
+    o = block.mixer(block.normed(h), mask=mask, ctx=ctx)
+    return TokenwiseFactors(
+        bias=jnp.zeros_like(o), output=o, h=h.astype(f32), token_total=o if with_total else None
+    )
