@@ -142,4 +142,98 @@ def nemotron_h_config(data: dict[str, Any], file: str) -> MambaConfig:
     )
 
 
-READERS = {"nemotron_h": nemotron_h_config}
+def _rope(f: ConfigFields, default_theta: float, default_fraction: float) -> tuple[float, float]:
+    """(theta, rotated fraction of the head) from ``rope_parameters`` (transformers 5) or the legacy
+    top-level ``rope_theta`` / ``rope_scaling``; only the default rotary type is supported."""
+    theta, fraction = default_theta, default_fraction
+    if f.has("rope_theta"):
+        theta = f.float("rope_theta")
+    params = f.raw("rope_parameters", None)
+    if f.raw("rope_scaling", None) is not None:
+        raise f.error("rope_scaling", "unsupported rotary scaling", "null (the default rotary embedding)",
+                      f.raw("rope_scaling"))  # fmt: skip
+    if params is not None:
+        inner = ConfigFields(
+            params, file=f.file, prefix="rope_parameters.",
+            handled={"rope_type", "rope_theta", "partial_rotary_factor"}, ignored=(),
+        )  # fmt: skip
+        inner.require("rope_type", ("default",), "default", "only the default rotary embedding is supported")
+        theta = inner.float("rope_theta", theta)
+        fraction = inner.float("partial_rotary_factor", fraction)
+    return theta, fraction
+
+
+def _attention_head_dim(f: ConfigFields, d_model: int, heads: int) -> int:
+    if f.has("head_dim") and f.raw("head_dim") is not None:
+        return f.int("head_dim")
+    if d_model % heads:
+        raise f.error("num_attention_heads", "does not divide hidden_size", f"a divisor of {d_model}", heads)
+    return d_model // heads
+
+
+_BAMBA_HANDLED = frozenset(
+    {
+        "model_type", "hidden_size", "vocab_size", "num_hidden_layers", "attn_layer_indices",
+        "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
+        "rms_norm_eps", "mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state", "mamba_d_conv",
+        "mamba_expand", "mamba_chunk_size", "mamba_conv_bias", "mamba_proj_bias", "time_step_limit",
+        "attention_bias", "mlp_bias", "rope_parameters", "rope_theta", "rope_scaling", "tie_word_embeddings",
+    }
+)  # fmt: skip
+# rope positions past max_position_embeddings are computed like any other (the default rotary type);
+# z_loss only changes the training loss; num_logits_to_keep only generation
+_BAMBA_IGNORED = GENERIC_IGNORED | {
+    "attention_dropout", "max_position_embeddings", "num_logits_to_keep", "z_loss_coefficient",
+    "partial_rotary_factor",
+}  # fmt: skip
+
+
+def bamba_config(data: dict[str, Any], file: str) -> MambaConfig:
+    """A :class:`MambaConfig` from transformers' ``BambaConfig`` (``model_type: bamba``): each layer i is
+    two sublayers, 2i its mixer (Mamba-2, or attention when i is in ``attn_layer_indices``: GQA, rotary
+    on half of each head) and 2i + 1 a SwiGLU MLP. transformers forces partial_rotary_factor 0.5 unless
+    ``rope_parameters`` sets it (a top-level ``partial_rotary_factor`` is overwritten, so ignored)."""
+    f = ConfigFields(data, file=file, handled=_BAMBA_HANDLED, ignored=_BAMBA_IGNORED)
+    n = f.int("num_hidden_layers", 32)
+    attn = f.raw("attn_layer_indices", None) or []
+    if not isinstance(attn, list) or not all(isinstance(i, int) and 0 <= i < n for i in attn):
+        raise f.error("attn_layer_indices", "wrong value", f"a list of layer indices in [0, {n})", attn)
+    kinds = []
+    for i in range(n):
+        kinds += ["attention" if i in attn else "mamba2", "mlp"]
+    d_model = f.int("hidden_size", 4096)
+    heads = f.int("num_attention_heads", 32)
+    kv = f.raw("num_key_value_heads", 8)
+    kv = heads if kv is None else f.int("num_key_value_heads")
+    head_dim = _attention_head_dim(f, d_model, heads)
+    theta, fraction = _rope(f, 10000.0, 0.5)
+    expand, m_heads = f.int("mamba_expand", 2), f.int("mamba_n_heads", 128)
+    m_head = f.raw("mamba_d_head", "auto")
+    m_head = expand * d_model // m_heads if m_head == "auto" else f.int("mamba_d_head")
+    if m_head * m_heads != expand * d_model:
+        raise f.error("mamba_d_head", "mamba_n_heads * mamba_d_head must equal mamba_expand * hidden_size",
+                      expand * d_model // m_heads, m_head)  # fmt: skip
+    act = _activation(f, "hidden_act", "silu")
+    return build_config(
+        file, version=2, family="bamba", d_model=d_model, n_layers=len(kinds), layer_kinds=tuple(kinds),
+        vocab_size=f.int("vocab_size", 128000), d_state=f.int("mamba_d_state", 256),
+        d_conv=f.int("mamba_d_conv", 4), expand=expand, head_dim=m_head, n_groups=f.int("mamba_n_groups", 1),
+        chunk_size=f.int("mamba_chunk_size", 256), conv_bias=f.bool("mamba_conv_bias", True),
+        proj_bias=f.bool("mamba_proj_bias", False), rms_eps=f.float("rms_norm_eps", 1e-5),
+        tie_embeddings=f.bool("tie_word_embeddings", False), activation=act,
+        time_step_limit=f.float_pair("time_step_limit", (0.0, math.inf)),
+        attn_heads=heads, attn_kv_heads=kv, attn_head_dim=head_dim, attn_bias=f.bool("attention_bias", False),
+        attn_out_bias=f.bool("attention_bias", False), rope_theta=theta,
+        rope_dim=_rope_dim(head_dim, fraction), mlp_width=f.int("intermediate_size", 14336),
+        mlp_activation=_mlp_activation(f, "hidden_act", "silu"), mlp_gated=True,
+        mlp_bias=f.bool("mlp_bias", False),
+    )  # fmt: skip
+
+
+def _rope_dim(head_dim: int, fraction: float) -> int:
+    """transformers' rotary width int(head_dim * fraction) (even); the whole head as 0."""
+    dim = int(head_dim * fraction)
+    return 0 if dim >= head_dim else dim - dim % 2
+
+
+READERS = {"nemotron_h": nemotron_h_config, "bamba": bamba_config}

@@ -11,7 +11,8 @@ equal the embedding). Orientation, torch -> latim-jax (see ``latim_jax.model.con
     everything else                    -> as stored        (A_log, D, biases, norm weights)
 
 :func:`params_from_tensors` checks every key and shape before it reads any data, consumes every key,
-and fails naming the file, the key and expected vs found on any mismatch.
+and fails naming the file, the key and expected vs found on any mismatch. Where each family keeps its
+tensors (the hybrids' sublayer norms and module prefixes, fused weights) is :mod:`.naming`.
 """
 
 from __future__ import annotations
@@ -25,60 +26,8 @@ import numpy as np
 from latim_jax.model.config import MambaConfig, param_shapes
 
 from .errors import CheckpointError
+from .naming import CONV, GATE_HALF, LINEAR, SAME, UP_HALF, naming
 from .tensors import TensorFiles
-
-LINEAR, CONV, SAME = "linear", "conv", "same"
-
-EMBEDDING_NAMES = ("backbone.embeddings.weight", "backbone.embedding.weight")
-
-# param name -> (torch name inside ``backbone.layers.{i}.mixer.``, orientation)
-_MIXER_V1 = {
-    "in_proj": ("in_proj.weight", LINEAR),
-    "in_proj_b": ("in_proj.bias", SAME),
-    "conv_w": ("conv1d.weight", CONV),
-    "conv_b": ("conv1d.bias", SAME),
-    "x_proj": ("x_proj.weight", LINEAR),
-    "dt_proj": ("dt_proj.weight", LINEAR),
-    "dt_bias": ("dt_proj.bias", SAME),
-    "A_log": ("A_log", SAME),
-    "D": ("D", SAME),
-    "out_proj": ("out_proj.weight", LINEAR),
-    "out_proj_b": ("out_proj.bias", SAME),
-}
-_MIXER_V2 = {
-    "in_proj": ("in_proj.weight", LINEAR),
-    "in_proj_b": ("in_proj.bias", SAME),
-    "conv_w": ("conv1d.weight", CONV),
-    "conv_b": ("conv1d.bias", SAME),
-    "dt_bias": ("dt_bias", SAME),
-    "A_log": ("A_log", SAME),
-    "D": ("D", SAME),
-    "norm_w": ("norm.weight", SAME),
-    "out_proj": ("out_proj.weight", LINEAR),
-    "out_proj_b": ("out_proj.bias", SAME),
-}
-
-
-_ATTENTION = {
-    "q_proj": ("q_proj.weight", LINEAR),
-    "q_b": ("q_proj.bias", SAME),
-    "k_proj": ("k_proj.weight", LINEAR),
-    "k_b": ("k_proj.bias", SAME),
-    "v_proj": ("v_proj.weight", LINEAR),
-    "v_b": ("v_proj.bias", SAME),
-    "o_proj": ("o_proj.weight", LINEAR),
-    "o_b": ("o_proj.bias", SAME),
-}
-_MLP = {
-    "up_proj": ("up_proj.weight", LINEAR),
-    "up_b": ("up_proj.bias", SAME),
-    "gate_proj": ("gate_proj.weight", LINEAR),
-    "gate_b": ("gate_proj.bias", SAME),
-    "down_proj": ("down_proj.weight", LINEAR),
-    "down_b": ("down_proj.bias", SAME),
-}
-# layer kind -> its mixer's names (inside ``backbone.layers.{i}.mixer.``)
-MIXER_NAMES = {"mamba1": _MIXER_V1, "mamba2": _MIXER_V2, "attention": _ATTENTION, "mlp": _MLP}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +44,8 @@ class TorchTensor:
         """The shape the checkpoint must store."""
         if self.orientation == LINEAR:
             return tuple(reversed(self.shape))
+        if self.orientation in (GATE_HALF, UP_HALF):  # one half of a fused (2 out, in) weight
+            return (2 * self.shape[1], self.shape[0])
         if self.orientation == CONV:
             k, c = self.shape
             return (c, 1, k)
@@ -104,6 +55,9 @@ class TorchTensor:
         """The stored array in latim-jax orientation (C-contiguous)."""
         if self.orientation == LINEAR:
             array = array.T
+        elif self.orientation in (GATE_HALF, UP_HALF):
+            half = array.shape[0] // 2
+            array = (array[:half] if self.orientation == GATE_HALF else array[half:]).T
         elif self.orientation == CONV:
             array = array[:, 0, :].T
         return np.ascontiguousarray(array)
@@ -112,16 +66,18 @@ class TorchTensor:
 def torch_layout(config: MambaConfig, *, prefix: str = "") -> list[TorchTensor]:
     """Every tensor a torch checkpoint of ``config`` must hold, in order (tied lm_head excluded)."""
     shapes = param_shapes(config)
-    out = [TorchTensor(tuple(prefix + n for n in EMBEDDING_NAMES), ("embedding",), SAME, shapes["embedding"])]
+    names = naming(config.family)
+    out = [TorchTensor(tuple(prefix + n for n in names.embedding), ("embedding",), SAME, shapes["embedding"])]
     for i, layer in enumerate(shapes["layers"]):
-        base = f"{prefix}backbone.layers.{i}."
-        out.append(TorchTensor((base + "norm.weight",), ("layers", i, "norm"), SAME, layer["norm"]))
+        kind = config.kinds[i]
+        norm, base = names.sublayer(i, kind, config.kinds)
+        out.append(TorchTensor((prefix + norm,), ("layers", i, "norm"), SAME, layer["norm"]))
+        table = names.mixers[kind]
         for name, shape in layer["mixer"].items():
-            torch_name, orientation = MIXER_NAMES[config.kinds[i]][name]
-            out.append(
-                TorchTensor((base + "mixer." + torch_name,), ("layers", i, "mixer", name), orientation, shape)
-            )
-    out.append(TorchTensor((prefix + "backbone.norm_f.weight",), ("norm_f",), SAME, shapes["norm_f"]))
+            torch_name, orientation = table[name]
+            path = ("layers", i, "mixer", name)
+            out.append(TorchTensor((prefix + base + torch_name,), path, orientation, shape))
+    out.append(TorchTensor((prefix + names.norm_f,), ("norm_f",), SAME, shapes["norm_f"]))
     if "lm_head" in shapes:
         out.append(TorchTensor((prefix + "lm_head.weight",), ("lm_head",), SAME, shapes["lm_head"]))
     return out
@@ -245,7 +201,8 @@ def _check_all_used(config: MambaConfig, tensors: TensorFiles, used: set[str]) -
 
 
 def _all_names(config: MambaConfig, tensors: TensorFiles) -> set[str]:
-    prefixes = {""} | {k[: k.index("backbone.")] for k in tensors.keys() if "backbone." in k}
+    root = naming(config.family).root
+    prefixes = {""} | {k[: k.index(root)] for k in tensors.keys() if root in k}
     names = set()
     for prefix in prefixes:
         for spec in torch_layout(config, prefix=prefix):

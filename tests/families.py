@@ -61,4 +61,28 @@ def nemotron_h(
     return model
 
 
-BUILDERS = {"falcon_mamba": falcon_mamba, "nemotron_h": nemotron_h}
+def bamba(
+    *, seed=0, vocab=48, d_model=32, n_layers=3, attn=(1,), heads=4, kv_heads=2, mamba_heads=8,
+    n_groups=2, d_state=8, chunk_size=8, mlp_width=40, attention_bias=False, mlp_bias=False,
+    proj_bias=False, tied=False, rope_fraction=None,
+):  # fmt: skip
+    """transformers' BambaForCausalLM: Mamba-2 layers, attention at ``attn``, a SwiGLU MLP in every layer,
+    rotary on half of each head unless ``rope_fraction`` says otherwise."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    rope = {"rope_type": "default", "rope_theta": 1000.0}
+    if rope_fraction is not None:
+        rope["partial_rotary_factor"] = rope_fraction
+    cfg = transformers.BambaConfig(
+        vocab_size=vocab, hidden_size=d_model, num_hidden_layers=n_layers, attn_layer_indices=list(attn),
+        num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=mlp_width,
+        mamba_n_heads=mamba_heads, mamba_d_head=2 * d_model // mamba_heads, mamba_n_groups=n_groups,
+        mamba_d_state=d_state, mamba_chunk_size=chunk_size, attention_bias=attention_bias, mlp_bias=mlp_bias,
+        mamba_proj_bias=proj_bias, tie_word_embeddings=tied, rope_parameters=rope,
+    )  # fmt: skip
+    return _perturb(transformers.BambaForCausalLM(cfg), seed)
+
+
+BUILDERS = {"bamba": bamba, "falcon_mamba": falcon_mamba, "nemotron_h": nemotron_h}

@@ -30,6 +30,11 @@ def reference_model(path, config, params):
             if was_on:
                 hf_logging.enable_progress_bar()
         return model.eval(), "from_pretrained"
+    if config.family:
+        raise ValueError(
+            f"a converted {config.family} checkpoint cannot be rebuilt as a transformers model here: run "
+            "check on the original Hugging Face directory (config.json + safetensors) instead"
+        )
     hf_config = transformers_config(config)
     cls = transformers.MambaForCausalLM if config.version == 1 else transformers.Mamba2ForCausalLM
     model = cls(hf_config).eval()
@@ -40,6 +45,11 @@ def reference_model(path, config, params):
     if config.tie_embeddings:
         model.tie_weights()
     return model.float(), "rebuilt from converted parameters"
+
+
+# the families whose transformers model lists the embeddings first in hidden_states -> the latim-jax
+# sublayers per transformers layer
+HYBRID_STRIDE = {"nemotron_h": 1, "bamba": 2}
 
 
 def transformers_config(config):
@@ -123,11 +133,14 @@ def check_model(source, *, length: int = 16, batch: int = 1, seed: int = 0) -> d
     err = np.abs(np.asarray(ours.logits) - ref_logits)
     scale = np.abs(ref_logits).max()
     hidden = []
-    for i in range(model.config.n_layers):
+    # transformers' hidden_states: the Mamba models' begin after layer 0, the hybrids' at the embeddings
+    # (one per transformers layer, which may hold several sublayers); the last is the final norm's output
+    stride = HYBRID_STRIDE.get(model.config.family)
+    skip, stride = (1, 1) if stride is None else (0, stride)
+    for i in range(len(out.hidden_states) - 1):
         r = out.hidden_states[i].float().numpy()
-        hidden.append(
-            float(np.abs(np.asarray(ours.residuals[i + 1]) - r).max() / max(np.abs(r).max(), 1e-30))
-        )
+        ours_i = np.asarray(ours.residuals[(i + skip) * stride])
+        hidden.append(float(np.abs(ours_i - r).max() / max(np.abs(r).max(), 1e-30)))
     return {
         "reference": how,
         "max_logit_error": float(err.max()),

@@ -24,7 +24,8 @@ def summary(model, path=None) -> str:
     """Several lines describing ``model`` (from :func:`latim_jax.load`); ``path``: its directory."""
     c = model.config
     lines = [f"model: {model.source}" + (f" ({path})" if path else "")]
-    arch = f"Mamba-{c.version}, {c.n_layers} layers, d_model {c.d_model}, inner width {c.d_inner}"
+    family = f"{c.family}: " if c.family else ""
+    arch = f"{family}Mamba-{c.version}, {c.n_layers} layers, d_model {c.d_model}, inner width {c.d_inner}"
     arch += f", state {c.d_state}, conv width {c.d_conv}, activation {c.activation}"
     if c.version == 1:
         arch += f", dt rank {c.dt_rank}"
@@ -34,11 +35,24 @@ def summary(model, path=None) -> str:
     count, nbytes = parameter_counts(model.params())
     sizes = ", ".join(f"{name} {_bytes(n)}" for name, n in sorted(nbytes.items()))
     lines.append(f"parameters: {count:,} ({sizes})")
-    layer = model.params()["layers"][0]
-    shapes = ", ".join(f"{k} {tuple(v.shape)}" for k, v in layer["mixer"].items())
-    per_layer, _ = parameter_counts(layer)
-    lines.append(f"layers: {c.n_layers} x [RMSNorm, Mamba-{c.version} mixer] ({per_layer:,} parameters each)")
-    lines.append(f"  mixer parameters: {shapes}")
+    if c.is_hybrid:
+        arch = f"attention {c.attn_heads} heads ({c.attn_kv_heads} key/value) x {c.attn_head_dim}"
+        arch += f", rotary theta {c.rope_theta:g}" if c.rope_theta else ", no rotary embedding"
+        arch += f", sliding window {c.sliding_window}" if c.sliding_window else ""
+        if "mlp" in c.kinds:
+            gated = "gated " if c.mlp_gated else ""
+            arch += f"; {gated}MLP width {c.mlp_width}, {c.mlp_activation}"
+        lines.append(f"  sublayers: {arch}")
+    names = {f"mamba{c.version}": f"Mamba-{c.version} mixer", "attention": "attention", "mlp": "MLP"}
+    all_params = model.params()["layers"]
+    for kind in dict.fromkeys(c.kinds):
+        at = [i for i, k in enumerate(c.kinds) if k == kind]
+        layer = all_params[at[0]]
+        shapes = ", ".join(f"{k} {tuple(v.shape)}" for k, v in layer["mixer"].items())
+        per_layer, _ = parameter_counts(layer)
+        where = "" if len(at) == c.n_layers else f" (layers {_spans(at)})"
+        lines.append(f"layers: {len(at)} x [RMSNorm, {names[kind]}]{where} ({per_layer:,} parameters each)")
+        lines.append(f"  {kind} parameters: {shapes}")
     head = "tied to the embedding" if c.tie_embeddings else "separate lm_head"
     padded = "" if c.n_tokens == c.vocab_size else f" ({c.n_tokens} tokens, rows past them are padding)"
     lines.append(f"embedding: ({c.vocab_size}, {c.d_model}){padded}; output head {head}")
@@ -47,6 +61,16 @@ def summary(model, path=None) -> str:
     lines.append(f"task: {_task(model.task)}")
     lines.append(_vocabulary(model))
     return "\n".join(lines)
+
+
+def _spans(indices: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    out, start = [], indices[0]
+    for a, b in zip(indices, [*indices[1:], None], strict=True):
+        if b != a + 1:
+            out.append(f"{start}-{a}" if a > start else f"{a}")
+            start = b
+    return ", ".join(out)
 
 
 def _task(task: dict | None) -> str:

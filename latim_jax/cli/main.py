@@ -301,6 +301,9 @@ def cmd_attribute(args):
         print(f"paper-mode approximation error per layer: {err}")
 
 
+KIND_LABELS = {"mamba1": "Mamba-1", "mamba2": "Mamba-2", "attention": "attention", "mlp": "MLP"}
+
+
 def _pictures(args, model, result, labels, plot_layers):
     """The --plot figure and the --html page of an attribute result."""
     scores = np.asarray(result.scores[0])
@@ -308,7 +311,11 @@ def _pictures(args, model, result, labels, plot_layers):
     picked = list(range(len(result.layers)))
     if plot_layers is not None:  # checked against the scored layers before the computation
         picked = [result.layers.index(k % n) for k in plot_layers]
-    names = [f"layer {result.layers[k]}" for k in picked]
+    kinds = model.config.kinds if model.config.is_hybrid else None  # a hybrid's panels name their kind
+    names = [
+        f"layer {result.layers[k]}" + (f" ({KIND_LABELS[kinds[result.layers[k]]]})" if kinds else "")
+        for k in picked
+    ]
     rows = list(result.rows) if result.rows is not None else list(range(len(labels)))
     row_labels = [labels[r] for r in rows]
     if args.rollout:

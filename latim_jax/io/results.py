@@ -38,6 +38,8 @@ class Attribution:
     precision: the score path's projection as computed, "float32" or "bfloat16" (bf16 operands, fp32
     accumulation; see :func:`latim_jax.attribute`).
     n_layers: the model's depth (``layers`` may be a subset; None in files written before the field).
+    layer_kinds: the kind of each scored layer, in the order of ``scores``' layer axis ("mamba1",
+    "mamba2", "attention", "mlp"; None in files written before the field).
     """
 
     scores: jax.Array
@@ -53,6 +55,7 @@ class Attribution:
     top_k: int | None = dataclasses.field(default=None, metadata=dict(static=True))
     precision: str = dataclasses.field(default="float32", metadata=dict(static=True))
     n_layers: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+    layer_kinds: tuple | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     def check_finite(self) -> None:
         """Raise FloatingPointError naming the layers whose scores hold NaN/inf (concrete inputs only;
@@ -138,6 +141,7 @@ class Attribution:
             "top_k": self.top_k,
             "precision": self.precision,
             "n_layers": self.n_layers,
+            "layer_kinds": None if self.layer_kinds is None else list(self.layer_kinds),
             "has_tokens": self.tokens is not None,
             "has_mask": self.mask is not None,
         }
@@ -197,4 +201,5 @@ class Attribution:
             top_k=meta.get("top_k"),
             precision=meta.get("precision", "float32"),  # files written before the field: fp32
             n_layers=meta.get("n_layers"),
+            layer_kinds=None if meta.get("layer_kinds") is None else tuple(meta["layer_kinds"]),
         )

@@ -315,6 +315,7 @@ def _result(model, x, req, done, extra, streams, direction, logit, row_idx, keep
         top_k=req.top_k,
         precision=output_precision(job),
         n_layers=model.config.n_layers,
+        layer_kinds=tuple(model.config.kinds[layer] for layer in req.layers),
     )
 
 

@@ -123,6 +123,16 @@ def estimate(
     else:
         work = b * blk.rows * blk.cols * (2 * e + d + chans) * f4
     layer_scores = b * R * L * f4
+    layer = factors + scan + work
+    if "attention" in c.kinds:  # q, k, v, the rows' lse, the forward's row tile; per block alpha, V, T
+        H, G, a = c.attn_heads, c.attn_kv_heads, c.attn_head_dim
+        attn = (b * L * (H + 2 * G) * a + b * H * L + 5 * b * L * d + 2 * b * H * min(L, 256) * L) * f4
+        attn += b * blk.rows * blk.cols * (H * a + 2 * H + d) * f4
+        layer = max(layer, attn)
+    if "mlp" in c.kinds:  # the hidden activations; per block the (diagonal) contributions
+        layer = max(
+            layer, (b * L * c.mlp_width * 2 + 5 * b * L * d) * f4 + b * blk.rows * blk.cols * 2 * d * f4
+        )
     itemsize = np.dtype(out_dtype).itemsize if out_dtype != "bfloat16" else 2
     if stream:
         output = 0
@@ -132,9 +142,7 @@ def estimate(
         output = n_layers * b * R * L * itemsize
     if method == "logit" and rows is None and layers is None and not stream:
         output += c.n_layers * b * L * L * f4
-    return MemoryEstimate(
-        parameters=params, streams=streams, layer=factors + scan + work + layer_scores, output=output
-    )
+    return MemoryEstimate(parameters=params, streams=streams, layer=layer + layer_scores, output=output)
 
 
 def _leaves(model):

@@ -10,27 +10,35 @@ from conftest import rel_err
 
 import latim_jax
 from latim_jax.latim.kinds import KINDS, factors, layer_factors
-from latim_jax.model import mixers
+from latim_jax.model import attention, mixers, mlp
+from latim_jax.model.config import LAYER_KINDS
 from latim_jax.model.init import init_params
+from latim_jax.model.lm import MIXERS
+from latim_jax.model.params import ParamModule
 
 
-def test_every_mixer_kind_has_a_decomposition():
-    kinds = {
-        cls.kind for cls in vars(mixers).values() if isinstance(cls, type) and issubclass(cls, mixers._Mixer)
+def test_every_layer_kind_has_a_module_and_a_decomposition():
+    assert set(MIXERS) == set(LAYER_KINDS) == set(KINDS)
+    assert all(cls.kind == kind for kind, cls in MIXERS.items())
+    # every module class of the model package that names a kind is registered
+    named = {
+        cls.kind
+        for module in (mixers, attention, mlp)
+        for cls in vars(module).values()
+        if isinstance(cls, type) and issubclass(cls, ParamModule) and cls.kind
     }
-    assert kinds == {"", "mamba1", "mamba2"}  # "" is the shared base class
-    assert kinds - {""} <= set(KINDS)
+    assert named == set(KINDS)
 
 
 def test_an_unknown_kind_is_refused_by_name():
-    class Attention:
-        kind = "attention"
+    class Experts:
+        kind = "moe"
 
     h, mask = jnp.zeros((1, 3, 8)), jnp.ones((1, 3), bool)
     with pytest.raises(
-        ValueError, match=r"no decomposition for layer kind 'attention'; known kinds: \['mamba1'"
+        ValueError, match=r"no decomposition for layer kind 'moe'; known kinds: \['attention'"
     ):
-        factors(Attention(), h, mask)
+        factors(Experts(), h, mask)
 
 
 @pytest.mark.parametrize("version", [1, 2])

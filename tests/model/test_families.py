@@ -12,6 +12,7 @@ from conftest import rel_err
 from families import BUILDERS
 
 import latim_jax
+from latim_jax.model.config import param_shapes
 from latim_jax.model.generate import generate, prefill
 from latim_jax.model.lm import MambaLM
 
@@ -30,7 +31,24 @@ VARIANTS = {
     ),
     # multi-query attention, groups = heads
     "nemotron_h_mqa": ("nemotron_h", dict(pattern="M-*", kv_heads=1, n_groups=4, head_dim=16)),
+    "bamba": ("bamba", {}),
+    # attention first and last, biases everywhere, tied, the whole head rotated, one group
+    "bamba_bias_tied": (
+        "bamba",
+        dict(
+            attn=(0, 2),
+            attention_bias=True,
+            mlp_bias=True,
+            proj_bias=True,
+            tied=True,
+            rope_fraction=1.0,
+            n_groups=1,
+            kv_heads=4,
+        ),
+    ),  # fmt: skip
 }
+# sublayers per transformers layer (Bamba: the mixer, then the MLP)
+STRIDE = {"bamba": 2}
 
 
 @pytest.fixture(scope="module")
@@ -68,14 +86,15 @@ def test_logits_and_streams_match_transformers(family_dir, name):
         out = model.forward(tokens)
         assert rel_err(out.logits, logits) < TOL, (name, length)
         # transformers' hidden_states: the Mamba models' start after layer 0 (no embeddings), the
-        # hybrids' with the embeddings; both end with the final norm's output
+        # hybrids' with the embeddings, one per transformers layer; all end with the final norm's output
+        stride = STRIDE.get(model.config.family, 1)
         skip = 1 if model.config.version == 1 else 0
-        for i in range(model.config.n_layers - 1 + skip):
-            assert rel_err(out.residuals[i + skip], hidden[i]) < TOL, (name, length, i)
+        for i in range(len(hidden) - 1):
+            assert rel_err(out.residuals[(i + skip) * stride], hidden[i]) < TOL, (name, length, i)
         assert rel_err(model.final_hidden(out.residuals[-1]), hidden[-1]) < TOL
 
 
-@pytest.mark.parametrize("name", ["nemotron_h", "nemotron_h_mha", "falcon_mamba"])
+@pytest.mark.parametrize("name", ["nemotron_h", "nemotron_h_mha", "falcon_mamba", "bamba_bias_tied"])
 def test_padded_batch_equals_each_prompt_alone_and_transformers(family_dir, name):
     path, ref = family_dir(name)
     model = latim_jax.load(path)
@@ -91,7 +110,7 @@ def test_padded_batch_equals_each_prompt_alone_and_transformers(family_dir, name
     assert rel_err(logits[1, 6:], want[0]) < TOL  # an in_proj bias at pad positions into the conv window)
 
 
-@pytest.mark.parametrize("name", ["nemotron_h", "falcon_mamba"])
+@pytest.mark.parametrize("name", ["nemotron_h", "falcon_mamba", "bamba"])
 def test_generation_equals_the_full_forward(family_dir, name):
     path, _ = family_dir(name)
     model = latim_jax.load(path)
@@ -104,8 +123,13 @@ def test_generation_equals_the_full_forward(family_dir, name):
 
 
 def _without(model, **changes):
-    """The same weights under a config with ``changes``: a model missing one family feature."""
-    return MambaLM(dataclasses.replace(model.config, **changes), model.params())
+    """The same weights under a config with ``changes``: a model missing one family feature (parameters
+    the changed config has no place for, an MLP gate say, are dropped)."""
+    config = dataclasses.replace(model.config, **changes)
+    params = model.params()
+    for layer, shapes in zip(params["layers"], param_shapes(config)["layers"], strict=True):
+        layer["mixer"] = {k: v for k, v in layer["mixer"].items() if k in shapes["mixer"]}
+    return MambaLM(config, params)
 
 
 @pytest.mark.parametrize(
@@ -118,6 +142,9 @@ def _without(model, **changes):
         ("nemotron_h", dict(time_step_limit=(0.0, float("inf")))),  # no dt floor (time_step_min)
         ("nemotron_h", dict(rope_theta=10000.0)),  # a rotary embedding the family does not have
         ("nemotron_h", dict(sliding_window=4)),
+        ("bamba", dict(rope_dim=0)),  # rotate the whole head instead of half
+        ("bamba", dict(rope_theta=10.0)),  # another theta than the config's (1000)
+        ("bamba", dict(mlp_gated=False)),  # the MLP's gate skipped
     ],
 )
 def test_parity_fails_without_a_family_feature(family_dir, name, changes):

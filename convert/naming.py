@@ -1,0 +1,113 @@
+"""How each checkpoint family names its tensors: the embedding, the final norm, each sublayer's norm and
+module prefix, and each layer kind's parameters (with their orientation). :func:`naming` gives a
+family's :class:`Naming`; the plain Mamba layout (Hugging Face, mamba_ssm, Codestral) is the default.
+
+Orientations, torch -> latim-jax (``y = x @ W``): LINEAR (out, in) -> (in, out); CONV (C, 1, k) -> (k, C);
+GATE_HALF / UP_HALF: the first / second half of a fused (2 out, in) gate|up weight, as LINEAR; SAME
+as stored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+LINEAR, CONV, SAME = "linear", "conv", "same"
+GATE_HALF, UP_HALF = "gate_half", "up_half"
+
+EMBEDDING_NAMES = ("backbone.embeddings.weight", "backbone.embedding.weight")
+
+# param name -> (torch name inside ``backbone.layers.{i}.mixer.``, orientation)
+_MIXER_V1 = {
+    "in_proj": ("in_proj.weight", LINEAR),
+    "in_proj_b": ("in_proj.bias", SAME),
+    "conv_w": ("conv1d.weight", CONV),
+    "conv_b": ("conv1d.bias", SAME),
+    "x_proj": ("x_proj.weight", LINEAR),
+    "dt_proj": ("dt_proj.weight", LINEAR),
+    "dt_bias": ("dt_proj.bias", SAME),
+    "A_log": ("A_log", SAME),
+    "D": ("D", SAME),
+    "out_proj": ("out_proj.weight", LINEAR),
+    "out_proj_b": ("out_proj.bias", SAME),
+}
+_MIXER_V2 = {
+    "in_proj": ("in_proj.weight", LINEAR),
+    "in_proj_b": ("in_proj.bias", SAME),
+    "conv_w": ("conv1d.weight", CONV),
+    "conv_b": ("conv1d.bias", SAME),
+    "dt_bias": ("dt_bias", SAME),
+    "A_log": ("A_log", SAME),
+    "D": ("D", SAME),
+    "norm_w": ("norm.weight", SAME),
+    "out_proj": ("out_proj.weight", LINEAR),
+    "out_proj_b": ("out_proj.bias", SAME),
+}
+
+
+_ATTENTION = {
+    "q_proj": ("q_proj.weight", LINEAR),
+    "q_b": ("q_proj.bias", SAME),
+    "k_proj": ("k_proj.weight", LINEAR),
+    "k_b": ("k_proj.bias", SAME),
+    "v_proj": ("v_proj.weight", LINEAR),
+    "v_b": ("v_proj.bias", SAME),
+    "o_proj": ("o_proj.weight", LINEAR),
+    "o_b": ("o_proj.bias", SAME),
+}
+_MLP = {
+    "up_proj": ("up_proj.weight", LINEAR),
+    "up_b": ("up_proj.bias", SAME),
+    "gate_proj": ("gate_proj.weight", LINEAR),
+    "gate_b": ("gate_proj.bias", SAME),
+    "down_proj": ("down_proj.weight", LINEAR),
+    "down_b": ("down_proj.bias", SAME),
+}
+# layer kind -> its mixer's names (inside ``backbone.layers.{i}.mixer.``)
+MIXER_NAMES = {"mamba1": _MIXER_V1, "mamba2": _MIXER_V2, "attention": _ATTENTION, "mlp": _MLP}
+
+
+@dataclasses.dataclass(frozen=True)
+class Naming:
+    """A family's tensor names. ``sublayer(k, kind, kinds)`` -> (the norm's name, the module prefix) of
+    sublayer k; ``mixers``: kind -> {latim-jax parameter: (torch name under the prefix, orientation)};
+    ``root``: the text every tensor of the model but the head holds (a checkpoint may add a prefix
+    before it)."""
+
+    embedding: tuple[str, ...]
+    norm_f: str
+    sublayer: Callable[[int, str, tuple], tuple[str, str]]
+    mixers: dict
+    root: str
+
+
+def _mamba_sublayer(k: int, kind: str, kinds: tuple) -> tuple[str, str]:
+    return f"backbone.layers.{k}.norm.weight", f"backbone.layers.{k}.mixer."
+
+
+MAMBA = Naming(
+    embedding=EMBEDDING_NAMES, norm_f="backbone.norm_f.weight", sublayer=_mamba_sublayer,
+    mixers=MIXER_NAMES, root="backbone.",
+)  # fmt: skip
+
+
+def _bamba_sublayer(k: int, kind: str, kinds: tuple) -> tuple[str, str]:
+    """Bamba writes each layer i as two sublayers: 2i the mixer (Mamba-2 or attention), 2i + 1 the MLP."""
+    i = k // 2
+    if k % 2:
+        return f"model.layers.{i}.pre_ff_layernorm.weight", f"model.layers.{i}.feed_forward."
+    module = "mamba." if kind.startswith("mamba") else "self_attn."
+    return f"model.layers.{i}.input_layernorm.weight", f"model.layers.{i}." + module
+
+
+BAMBA = Naming(
+    embedding=("model.embed_tokens.weight",), norm_f="model.final_layernorm.weight",
+    sublayer=_bamba_sublayer, mixers=MIXER_NAMES, root="model.",
+)  # fmt: skip
+
+NAMINGS = {"bamba": BAMBA}
+
+
+def naming(family: str) -> Naming:
+    """The tensor names of ``family`` (a config's ``family``; "" and the Mamba variants: the default)."""
+    return NAMINGS.get(family, MAMBA)
