@@ -96,10 +96,14 @@ def read_hf(directory: str | Path, dtype: Any = None) -> tuple[MambaConfig, dict
     checked against the config's shapes and every tensor must be used.
     """
     directory = Path(directory)
-    config = config_from_hf(read_json(directory / CONFIG_FILE))
+    data = read_json(directory / CONFIG_FILE)
+    config = config_from_hf(data)
     files = find_weight_files(directory, WEIGHT_CHOICES)
     with open_tensors(files) as tensors:
-        return config, params_from_tensors(config, tensors, dtype=dtype)
+        hybrids.prepare_tensors(config, tensors)
+        params = params_from_tensors(config, tensors, dtype=dtype)
+    finish = hybrids.FINISH.get(config.family)
+    return config, (params if finish is None else finish(data, config, params))
 
 
 def _common_fields(f: ConfigFields, version: int) -> dict[str, Any]:

@@ -11,7 +11,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from latim_jax.model.config import MambaConfig
+import numpy as np
+
+from latim_jax.model.config import OUTPUT_PARAMS, MambaConfig
 
 from .config_fields import ConfigFields
 from .hf_fields import ACTIVATIONS, GENERIC_IGNORED, build_config
@@ -37,20 +39,20 @@ _NEMOTRON_HANDLED = frozenset(
         "mamba_num_heads", "mamba_head_dim", "n_groups", "conv_kernel", "use_conv_bias", "use_bias",
         "mamba_hidden_act", "chunk_size", "time_step_min", "num_attention_heads", "num_key_value_heads",
         "head_dim", "intermediate_size", "mlp_hidden_act", "mlp_bias", "tie_word_embeddings",
+        "n_routed_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+        "moe_shared_expert_intermediate_size", "moe_latent_size", "n_group", "topk_group", "norm_topk_prob",
+        "routed_scaling_factor",
     }
 )  # fmt: skip
 # What transformers' NemotronH never reads in the forward (it ignores them: no attention bias, no sliding
 # window, an lm_head never tied, the mixer width from mamba_num_heads * mamba_head_dim, the dt clamp from
-# time_step_min) or reads only for training, caching, multi-token prediction and kernels; and the MoE
-# fields, which matter only with an "moe" layer (refused below until that kind exists).
+# time_step_min, always one shared expert) or reads only for training, caching, multi-token prediction
+# and kernels.
 _NEMOTRON_IGNORED = GENERIC_IGNORED | {
     "attention_bias", "attention_dropout", "sliding_window", "max_position_embeddings", "expand",
     "time_step_limit", "time_step_floor", "mamba_proj_bias", "hidden_dropout", "use_mamba_kernels",
     "num_logits_to_keep", "mamba_ssm_cache_dtype", "output_router_logits", "num_nextn_predict_layers",
-    "mtp_layers_block_type", "moe_shared_expert_overlap", "n_routed_experts", "num_local_experts",
-    "num_experts_per_tok", "moe_intermediate_size", "moe_shared_expert_intermediate_size",
-    "n_shared_experts", "moe_latent_size", "n_group", "topk_group", "norm_topk_prob",
-    "routed_scaling_factor", "mamba_n_groups", "mamba_d_conv", "mamba_expand", "mamba_dt_min",
+    "mtp_layers_block_type", "moe_shared_expert_overlap", "n_shared_experts", "mamba_n_groups", "mamba_d_conv", "mamba_expand", "mamba_dt_min",
     "mamba_dt_max", "mamba_dt_limit", "mamba_dt_init_floor", "mamba_conv_bias", "mamba_chunk_size",
 }  # fmt: skip
 
@@ -89,14 +91,6 @@ def nemotron_h_kinds(f: ConfigFields) -> tuple[str, ...]:
             expected = sorted(k for k in _NEMOTRON_KINDS if len(k) > 1 or key == "hybrid_override_pattern")
             raise f.error(f"{key}[{i}]", "unknown layer type", expected, name)
         kinds.append(_NEMOTRON_KINDS[name])
-    if "moe" in kinds:
-        raise f.error(
-            f"{key}[{kinds.index('moe')}]",
-            "mixture-of-experts layers are not supported yet (latim-jax reads Nemotron-H's Mamba-2, "
-            "attention and MLP layers)",
-            "linear_attention, full_attention or mlp",
-            names[kinds.index("moe")],
-        )
     if f.has("num_hidden_layers") and f.int("num_hidden_layers") != len(kinds):
         raise f.error("num_hidden_layers", f"disagrees with {key}", len(kinds), f.raw("num_hidden_layers"))
     return tuple(kinds)
@@ -111,9 +105,23 @@ def nemotron_h_config(data: dict[str, Any], file: str) -> MambaConfig:
     heads, head_dim = f.int("mamba_num_heads", 128), f.int("mamba_head_dim", 64)
     attn_heads = f.int("num_attention_heads", 32)
     kv = f.raw("num_key_value_heads", 8)
-    kv = attn_heads if kv is None else f.int("num_key_value_heads")
+    kv = attn_heads if kv is None else f.int("num_key_value_heads", 8)
+    moe = {}
+    if "moe" in kinds:
+        if f.raw("moe_latent_size", None) is not None:
+            raise f.error("moe_latent_size", "latent expert projections are not supported yet", None,
+                          f.raw("moe_latent_size"))  # fmt: skip
+        experts_key = "n_routed_experts" if f.has("n_routed_experts") else "num_local_experts"
+        moe = dict(
+            moe_experts=f.int(experts_key, 8), moe_top_k=f.int("num_experts_per_tok", 2),
+            moe_width=f.int("moe_intermediate_size", 7688),
+            moe_shared_width=f.int("moe_shared_expert_intermediate_size", 7688), moe_router="sigmoid_groups",
+            moe_groups=f.int("n_group", 1), moe_topk_groups=f.int("topk_group", 1),
+            moe_norm_topk=f.bool("norm_topk_prob", True), moe_scale=f.float("routed_scaling_factor", 1.0),
+        )  # fmt: skip
     return build_config(
         file,
+        **moe,
         version=2,
         family="nemotron_h",
         d_model=d_model,
@@ -204,7 +212,7 @@ def bamba_config(data: dict[str, Any], file: str) -> MambaConfig:
     d_model = f.int("hidden_size", 4096)
     heads = f.int("num_attention_heads", 32)
     kv = f.raw("num_key_value_heads", 8)
-    kv = heads if kv is None else f.int("num_key_value_heads")
+    kv = heads if kv is None else f.int("num_key_value_heads", 8)
     head_dim = _attention_head_dim(f, d_model, heads)
     theta, fraction = _rope(f, 10000.0, 0.5)
     expand, m_heads = f.int("mamba_expand", 2), f.int("mamba_n_heads", 128)
@@ -236,4 +244,105 @@ def _rope_dim(head_dim: int, fraction: float) -> int:
     return 0 if dim >= head_dim else dim - dim % 2
 
 
-READERS = {"nemotron_h": nemotron_h_config, "bamba": bamba_config}
+_GRANITE_KINDS = {"mamba": "mamba2", "linear_attention": "mamba2", "attention": "attention",
+                  "full_attention": "attention"}  # fmt: skip
+_GRANITE_HANDLED = (_BAMBA_HANDLED - {"attn_layer_indices", "mlp_bias"}) | {
+    "layer_types", "layers_block_type", "embedding_multiplier", "logits_scaling", "residual_multiplier",
+    "attention_multiplier", "num_local_experts", "num_experts_per_tok", "shared_intermediate_size",
+    "position_embedding_type",
+}  # fmt: skip
+# the router's auxiliary loss is training only; normalization_function is written by the released
+# checkpoints ("rmsnorm", the only one transformers implements)
+_GRANITE_IGNORED = _BAMBA_IGNORED | {"output_router_logits", "router_aux_loss_coef", "normalization_function"}
+
+
+def granite_config(data: dict[str, Any], file: str) -> MambaConfig:
+    """A :class:`MambaConfig` from transformers' ``GraniteMoeHybridConfig`` (Granite-4.0-H): each layer
+    i is 2i its mixer (Mamba-2 or attention, from ``layer_types``) and 2i + 1 the feed-forward: routed
+    experts (softmax over the top-k logits) plus a shared SwiGLU MLP, or the shared MLP alone
+    (``num_local_experts: 0``). The softmax scale is ``attention_multiplier``; rotary only with
+    ``position_embedding_type: "rope"``; the embedding and logit multipliers are config fields, the
+    residual multiplier is folded into the weights (:func:`granite_finish`)."""
+    f = ConfigFields(data, file=file, handled=_GRANITE_HANDLED, ignored=_GRANITE_IGNORED)
+    n = f.int("num_hidden_layers", 32)
+    key = next((k for k in ("layer_types", "layers_block_type") if f.has(k)), None)
+    names = f.raw(key) if key else ["mamba"] * n
+    if not isinstance(names, list) or len(names) != n:
+        raise f.error(key or "layer_types", "wrong value", f"a list of {n} layer types", names)
+    kinds = []
+    for i, name in enumerate(names):
+        if name not in _GRANITE_KINDS:
+            raise f.error(f"{key}[{i}]", "unknown layer type", sorted(_GRANITE_KINDS), name)
+        kinds += [_GRANITE_KINDS[name], "mlp"]
+    experts = f.int("num_local_experts", 8)
+    if experts:
+        kinds = [k if k != "mlp" else "moe" for k in kinds]
+    d_model = f.int("hidden_size", 4096)
+    heads = f.int("num_attention_heads", 32)
+    kv = f.raw("num_key_value_heads", None)
+    kv = heads if kv is None else f.int("num_key_value_heads")
+    head_dim = _attention_head_dim(f, d_model, heads)
+    rope = f.raw("position_embedding_type", None) == "rope"
+    theta, _ = _rope(f, 10000.0, 1.0)
+    expand, m_heads = f.int("mamba_expand", 2), f.int("mamba_n_heads", 128)
+    m_head = f.raw("mamba_d_head", "auto")
+    m_head = expand * d_model // m_heads if m_head == "auto" else f.int("mamba_d_head")
+    if m_head * m_heads != expand * d_model:
+        raise f.error("mamba_d_head", "mamba_n_heads * mamba_d_head must equal mamba_expand * hidden_size",
+                      expand * d_model // m_heads, m_head)  # fmt: skip
+    shared = f.int("shared_intermediate_size", 1024)
+    moe = {}
+    if experts:
+        moe = dict(moe_experts=experts, moe_top_k=f.int("num_experts_per_tok", 2),
+                   moe_width=f.int("intermediate_size", 11008), moe_shared_width=shared)  # fmt: skip
+    return build_config(
+        file, version=2, family="granitemoehybrid", d_model=d_model, n_layers=len(kinds),
+        layer_kinds=tuple(kinds), vocab_size=f.int("vocab_size", 32000), d_state=f.int("mamba_d_state", 256),
+        d_conv=f.int("mamba_d_conv", 4), expand=expand, head_dim=m_head, n_groups=f.int("mamba_n_groups", 1),
+        chunk_size=f.int("mamba_chunk_size", 256), conv_bias=f.bool("mamba_conv_bias", True),
+        proj_bias=f.bool("mamba_proj_bias", False), rms_eps=f.float("rms_norm_eps", 1e-6),
+        tie_embeddings=f.bool("tie_word_embeddings", False), activation=_activation(f, "hidden_act", "silu"),
+        time_step_limit=f.float_pair("time_step_limit", (0.0, math.inf)), attn_heads=heads,
+        attn_kv_heads=kv, attn_head_dim=head_dim, attn_bias=f.bool("attention_bias", False),
+        attn_out_bias=f.bool("attention_bias", False), attn_scale=f.float("attention_multiplier", 1.0),
+        rope_theta=theta if rope else 0.0, mlp_width=shared,
+        mlp_activation=_mlp_activation(f, "hidden_act", "silu"), mlp_gated=True,
+        embedding_multiplier=f.float("embedding_multiplier", 1.0), logits_scaling=f.float("logits_scaling", 1.0),
+        **moe,
+    )  # fmt: skip
+
+
+def granite_finish(data: dict[str, Any], config: MambaConfig, params: dict) -> dict:
+    """Fold ``residual_multiplier`` into every sublayer's output projection: h + m o(x) with o linear
+    in its output weights is h + o'(x), the same function, and the decomposition's T and beta carry m."""
+    m = float(data.get("residual_multiplier", 1.0))
+    if m != 1.0:
+        fold_output_scale(config, params, m)
+    return params
+
+
+def fold_output_scale(config: MambaConfig, params: dict, m: float) -> None:
+    """Scale every sublayer's output-side parameters by m, in place (their dtype kept)."""
+    for kind, layer in zip(config.kinds, params["layers"], strict=True):
+        for name in OUTPUT_PARAMS[kind]:
+            if name in layer["mixer"]:
+                w = layer["mixer"][name]
+                layer["mixer"][name] = (np.asarray(w, np.float32) * m).astype(w.dtype)
+
+
+READERS = {"nemotron_h": nemotron_h_config, "bamba": bamba_config, "granitemoehybrid": granite_config}
+# after the weights are read: what a family folds into them
+FINISH = {"granitemoehybrid": granite_finish}
+
+
+def prepare_tensors(config: MambaConfig, tensors) -> None:
+    """Present a family's stored tensors in the layout's form, in place (Nemotron-H stores each expert's
+    matrices apart: they are stacked into one (E, out, in) tensor per layer and matrix)."""
+    if config.family != "nemotron_h" or "moe" not in config.kinds:
+        return
+    for k, kind in enumerate(config.kinds):
+        if kind == "moe":
+            for part in ("up_proj", "down_proj"):
+                base = f"backbone.layers.{k}.mixer.experts"
+                names = [f"{base}.{e}.{part}.weight" for e in range(config.moe_experts)]
+                tensors.stack(f"{base}.{part}", names)

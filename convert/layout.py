@@ -26,7 +26,17 @@ import numpy as np
 from latim_jax.model.config import MambaConfig, param_shapes
 
 from .errors import CheckpointError
-from .naming import CONV, GATE_HALF, LINEAR, SAME, UP_HALF, naming
+from .naming import (
+    CONV,
+    GATE_HALF,
+    LINEAR,
+    SAME,
+    STACKED,
+    STACKED_GATE_HALF,
+    STACKED_UP_HALF,
+    UP_HALF,
+    naming,
+)
 from .tensors import TensorFiles
 
 
@@ -46,6 +56,10 @@ class TorchTensor:
             return tuple(reversed(self.shape))
         if self.orientation in (GATE_HALF, UP_HALF):  # one half of a fused (2 out, in) weight
             return (2 * self.shape[1], self.shape[0])
+        if self.orientation == STACKED:
+            return (self.shape[0], self.shape[2], self.shape[1])
+        if self.orientation in (STACKED_GATE_HALF, STACKED_UP_HALF):
+            return (self.shape[0], 2 * self.shape[2], self.shape[1])
         if self.orientation == CONV:
             k, c = self.shape
             return (c, 1, k)
@@ -58,6 +72,12 @@ class TorchTensor:
         elif self.orientation in (GATE_HALF, UP_HALF):
             half = array.shape[0] // 2
             array = (array[:half] if self.orientation == GATE_HALF else array[half:]).T
+        elif self.orientation == STACKED:
+            array = array.transpose(0, 2, 1)
+        elif self.orientation in (STACKED_GATE_HALF, STACKED_UP_HALF):
+            half = array.shape[1] // 2
+            part = array[:, :half] if self.orientation == STACKED_GATE_HALF else array[:, half:]
+            array = part.transpose(0, 2, 1)
         elif self.orientation == CONV:
             array = array[:, 0, :].T
         return np.ascontiguousarray(array)

@@ -14,6 +14,8 @@ from collections.abc import Callable
 
 LINEAR, CONV, SAME = "linear", "conv", "same"
 GATE_HALF, UP_HALF = "gate_half", "up_half"
+# stacked experts (E, out, in) -> (E, in, out), and the halves of a stacked fused (E, 2 out, in)
+STACKED, STACKED_GATE_HALF, STACKED_UP_HALF = "stacked", "stacked_gate_half", "stacked_up_half"
 
 EMBEDDING_NAMES = ("backbone.embeddings.weight", "backbone.embedding.weight")
 
@@ -64,7 +66,18 @@ _MLP = {
     "down_b": ("down_proj.bias", SAME),
 }
 # layer kind -> its mixer's names (inside ``backbone.layers.{i}.mixer.``)
-MIXER_NAMES = {"mamba1": _MIXER_V1, "mamba2": _MIXER_V2, "attention": _ATTENTION, "mlp": _MLP}
+# Nemotron-H's experts (each expert's matrices stacked on reading: convert.hybrids.prepare_tensors)
+_MOE = {
+    "router": ("gate.weight", LINEAR),
+    "router_bias": ("gate.e_score_correction_bias", SAME),
+    "experts_up": ("experts.up_proj", STACKED),
+    "experts_down": ("experts.down_proj", STACKED),
+    "shared_up": ("shared_experts.up_proj.weight", LINEAR),
+    "shared_up_b": ("shared_experts.up_proj.bias", SAME),
+    "shared_down": ("shared_experts.down_proj.weight", LINEAR),
+    "shared_down_b": ("shared_experts.down_proj.bias", SAME),
+}
+MIXER_NAMES = {"mamba1": _MIXER_V1, "mamba2": _MIXER_V2, "attention": _ATTENTION, "mlp": _MLP, "moe": _MOE}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +118,36 @@ BAMBA = Naming(
     sublayer=_bamba_sublayer, mixers=MIXER_NAMES, root="model.",
 )  # fmt: skip
 
-NAMINGS = {"bamba": BAMBA}
+
+def _granite_sublayer(k: int, kind: str, kinds: tuple) -> tuple[str, str]:
+    """GraniteMoeHybrid: 2i the mixer, 2i + 1 the feed-forward (the shared MLP, with the experts when
+    there are some), whose norm transformers names post_attention_layernorm."""
+    i = k // 2
+    if k % 2:
+        return f"model.layers.{i}.post_attention_layernorm.weight", f"model.layers.{i}."
+    module = "mamba." if kind.startswith("mamba") else "self_attn."
+    return f"model.layers.{i}.input_layernorm.weight", f"model.layers.{i}." + module
+
+
+_GRANITE_SHARED = {
+    "gate": ("shared_mlp.input_linear.weight", GATE_HALF),
+    "up": ("shared_mlp.input_linear.weight", UP_HALF),
+    "down": ("shared_mlp.output_linear.weight", LINEAR),
+}
+_GRANITE_MLP = {f"{k}_proj": v for k, v in _GRANITE_SHARED.items()}
+_GRANITE_MOE = {f"shared_{k}": v for k, v in _GRANITE_SHARED.items()} | {
+    "router": ("block_sparse_moe.router.layer.weight", LINEAR),
+    "experts_gate": ("block_sparse_moe.input_linear.weight", STACKED_GATE_HALF),
+    "experts_up": ("block_sparse_moe.input_linear.weight", STACKED_UP_HALF),
+    "experts_down": ("block_sparse_moe.output_linear.weight", STACKED),
+}
+
+GRANITE = Naming(
+    embedding=("model.embed_tokens.weight",), norm_f="model.norm.weight", sublayer=_granite_sublayer,
+    mixers={**MIXER_NAMES, "mlp": _GRANITE_MLP, "moe": _GRANITE_MOE}, root="model.",
+)  # fmt: skip
+
+NAMINGS = {"bamba": BAMBA, "granitemoehybrid": GRANITE}
 
 
 def naming(family: str) -> Naming:

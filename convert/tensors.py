@@ -74,6 +74,25 @@ class TensorFiles:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def stack(self, key: str, parts: Sequence[str]) -> None:
+        """Replace the tensors ``parts`` (one shape and dtype) by one tensor ``key`` that stacks them along
+        a new first axis, read when asked for. A missing part or a mismatch raises CheckpointError."""
+        for name in parts:
+            if name not in self._sources:
+                raise CheckpointError(
+                    "missing tensor of a stacked group", file=self.label, key=name,
+                    expected=f"{len(parts)} tensors {parts[0]} ... {parts[-1]}", found="no such key",
+                )  # fmt: skip
+            if self.shape(name) != self.shape(parts[0]):
+                raise CheckpointError(
+                    "tensors of one stacked group differ in shape", file=self.file_of(name), key=name,
+                    expected=self.shape(parts[0]), found=self.shape(name),
+                )  # fmt: skip
+        source = _Stacked(self, key, list(parts))
+        for name in parts:
+            del self._sources[name]
+        self._sources[key] = source
+
     def _add(self, source: _Source, keys: Sequence[str]) -> None:
         self._opened.append(source)
         self.files.append(source.name)
@@ -87,6 +106,28 @@ class TensorFiles:
                     found="a second copy",
                 )
             self._sources[key] = source
+
+
+class _Stacked:
+    """A virtual tensor: ``parts`` of ``files`` stacked along a new first axis (read lazily)."""
+
+    def __init__(self, files: TensorFiles, key: str, parts: list[str]):
+        self._parts = [(name, files._sources[name]) for name in parts]
+        self.name = files.file_of(parts[0])
+        self._shape = (len(parts), *files.shape(parts[0]))
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._shape
+
+    def read(self, key: str) -> np.ndarray:
+        arrays = [source.read(name) for name, source in self._parts]
+        if len({a.dtype for a in arrays}) > 1:
+            raise CheckpointError("tensors of one stacked group differ in dtype", file=self.name, key=key,
+                                  expected=arrays[0].dtype, found=sorted({str(a.dtype) for a in arrays}))  # fmt: skip
+        return np.stack(arrays)
+
+    def close(self) -> None:
+        pass
 
 
 def open_tensors(paths: Sequence[str | Path]) -> TensorFiles:

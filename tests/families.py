@@ -36,7 +36,7 @@ def falcon_mamba(*, seed=0, vocab=48, d_model=16, n_layers=2, d_state=4, use_bia
 def nemotron_h(
     *, seed=0, vocab=48, d_model=32, pattern="M*-M", heads=4, kv_heads=2, head_dim=8, mamba_heads=4,
     mamba_head_dim=8, n_groups=2, d_state=8, chunk_size=4, mlp_width=40, use_bias=False, mlp_bias=False,
-    act="relu2", small_dt=True,
+    act="relu2", small_dt=True, experts=8, top_k=2, n_group=2, topk_group=1, scale=2.5, norm_topk=True,
 ):  # fmt: skip
     """transformers' NemotronHForCausalLM with the layer pattern ``pattern`` (M Mamba-2, * attention, -
     MLP), grouped-query attention and grouped B/C by default. ``small_dt``: the first head of every Mamba
@@ -50,9 +50,15 @@ def nemotron_h(
         num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=mlp_width,
         mamba_num_heads=mamba_heads, mamba_head_dim=mamba_head_dim, n_groups=n_groups,
         ssm_state_size=d_state, conv_kernel=4, chunk_size=chunk_size, use_bias=use_bias, mlp_bias=mlp_bias,
-        mlp_hidden_act=act,
+        mlp_hidden_act=act, n_routed_experts=experts, num_experts_per_tok=top_k, n_group=n_group,
+        topk_group=topk_group, moe_intermediate_size=24, moe_shared_expert_intermediate_size=36,
+        routed_scaling_factor=scale, norm_topk_prob=norm_topk,
     )  # fmt: skip
     model = _perturb(transformers.NemotronHForCausalLM(cfg), seed)
+    with torch.no_grad():  # the choice-only correction bias (a buffer, zero at init)
+        for name, b in model.named_buffers():
+            if "e_score_correction_bias" in name:
+                b.copy_(0.1 * torch.randn(b.shape, generator=torch.Generator().manual_seed(seed)))
     if small_dt:
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -85,4 +91,34 @@ def bamba(
     return _perturb(transformers.BambaForCausalLM(cfg), seed)
 
 
-BUILDERS = {"bamba": bamba, "falcon_mamba": falcon_mamba, "nemotron_h": nemotron_h}
+def granite(
+    *, seed=0, vocab=48, d_model=32, layer_types=("mamba", "attention", "mamba"), heads=4, kv_heads=2,
+    mamba_heads=8, n_groups=2, d_state=8, chunk_size=8, experts=4, top_k=2, rope=True, tied=True,
+    embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=1.5, logits_scaling=6.0,
+):  # fmt: skip
+    """transformers' GraniteMoeHybridForCausalLM (Granite-4.0-H): Mamba-2 / attention mixers, each
+    followed by routed experts plus a shared SwiGLU MLP (``experts=0``: the shared MLP alone), with the
+    family's four multipliers."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.GraniteMoeHybridConfig(
+        vocab_size=vocab, hidden_size=d_model, num_hidden_layers=len(layer_types), layer_types=list(layer_types),
+        num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=24,
+        shared_intermediate_size=40, num_local_experts=experts, num_experts_per_tok=top_k,
+        mamba_n_heads=mamba_heads, mamba_d_head=2 * d_model // mamba_heads, mamba_n_groups=n_groups,
+        mamba_d_state=d_state, mamba_chunk_size=chunk_size, position_embedding_type="rope" if rope else "nope",
+        tie_word_embeddings=tied, embedding_multiplier=embedding_multiplier,
+        residual_multiplier=residual_multiplier, attention_multiplier=attention_multiplier,
+        logits_scaling=logits_scaling,
+    )  # fmt: skip
+    return _perturb(transformers.GraniteMoeHybridForCausalLM(cfg), seed)
+
+
+BUILDERS = {
+    "granitemoehybrid": granite,
+    "bamba": bamba,
+    "falcon_mamba": falcon_mamba,
+    "nemotron_h": nemotron_h,
+}

@@ -367,12 +367,12 @@ def _head_targets(model, h, targets):
 
 @jit_model_fn(static_argnames=("hold_fixed",))
 def _logit_direction(model, h_final, targets, hold_fixed=False):
-    """v_i = g_f * E_{w_i} / r_i (b, l, d), r_i from the stream entering the final norm (held fixed:
-    no gradient through r_i)."""
+    """v_i = g_f * E_{w_i} / (r_i s) (b, l, d), r_i from the stream entering the final norm (held fixed:
+    no gradient through r_i), s the logits' scaling (1 but for Granite)."""
     r_inv = jax.lax.rsqrt(jnp.mean(h_final * h_final, -1, keepdims=True) + model.config.rms_eps)
     r_inv = jax.lax.stop_gradient(r_inv) if hold_fixed else r_inv
     row = jnp.take(model.unembedding, targets, axis=0).astype(f32)
-    return model.norm_f[...].astype(f32) * row * r_inv
+    return model.norm_f[...].astype(f32) * row * r_inv / model.config.logits_scaling
 
 
 @jit_model_fn(static_argnames=("job", "ctx"))

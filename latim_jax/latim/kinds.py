@@ -45,6 +45,7 @@ KINDS = {
     "mamba2": mamba.factors,
     "attention": attention.factors,
     "mlp": tokenwise.factors,
+    "moe": tokenwise.factors,
 }
 MODES = mamba.MODES
 check_mode = mamba.check_mode

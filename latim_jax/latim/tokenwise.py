@@ -1,4 +1,4 @@
-"""The token-wise layer kind ("mlp"; MoE and other per-position sublayers alike): a sublayer whose
+"""The token-wise layer kinds ("mlp", "moe", and any other per-position sublayer): a sublayer whose
 output at i reads position i alone mixes no tokens (docs/method.md, section 8):
 
     T_i(x_j) = [i = j] o_i,   beta_i = 0
@@ -26,12 +26,12 @@ from latim_jax.parallel.context import XLA, Context
 class TokenwiseFactors:
     """One token-wise sublayer's factors: output o, h (b, l, d); bias zeros; token_total = o."""
 
+    kind: str = dataclasses.field(metadata=dict(static=True))
     bias: jax.Array
     output: jax.Array
     h: jax.Array
     token_total: jax.Array | None
 
-    kind = "mlp"
     channels_first = False
     W_out = None
 
@@ -64,5 +64,9 @@ def factors(
     del mode, hold_fixed
     o = block.mixer(block.normed(h), mask=mask, ctx=ctx)
     return TokenwiseFactors(
-        bias=jnp.zeros_like(o), output=o, h=h.astype(f32), token_total=o if with_total else None
+        kind=block.kind,
+        bias=jnp.zeros_like(o),
+        output=o,
+        h=h.astype(f32),
+        token_total=o if with_total else None,
     )

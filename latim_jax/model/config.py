@@ -23,7 +23,17 @@ from typing import Any
 
 ACTIVATIONS = ("silu", "relu", "identity")
 MLP_ACTIVATIONS = ("silu", "relu", "relu2", "gelu", "gelu_tanh")
-LAYER_KINDS = ("mamba1", "mamba2", "attention", "mlp")
+LAYER_KINDS = ("mamba1", "mamba2", "attention", "mlp", "moe")
+# each kind's parameters on its output side: scaling them scales the sublayer's output (a residual
+# multiplier folds into them)
+OUTPUT_PARAMS = {
+    "mamba1": ("out_proj", "out_proj_b"),
+    "mamba2": ("out_proj", "out_proj_b"),
+    "attention": ("o_proj", "o_b"),
+    "mlp": ("down_proj", "down_b"),
+    "moe": ("experts_down", "shared_down", "shared_down_b"),
+}
+MOE_ROUTERS = ("softmax_topk", "sigmoid_groups")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -75,6 +85,21 @@ class MambaConfig:
     mlp_activation: str = "silu"
     mlp_gated: bool = False  # act(x W_gate) * (x W_up), then W_down
     mlp_bias: bool = False
+    # mixture-of-experts sublayers (experts and the shared expert take the MLP's form above)
+    moe_experts: int = 0
+    moe_top_k: int = 0
+    moe_width: int = 0  # each expert's hidden width
+    moe_shared_width: int = 0  # the shared expert's (0: none)
+    moe_router: str = "softmax_topk"
+    moe_groups: int = 1  # sigmoid_groups: experts in groups, the best moe_topk_groups groups eligible
+    moe_topk_groups: int = 1
+    moe_norm_topk: bool = True
+    moe_scale: float = 1.0
+    # multipliers (Granite): the token embeddings are scaled by embedding_multiplier (inputs_embeds are
+    # h^0 as given), the logits divided by logits_scaling; a residual multiplier is folded into each
+    # sublayer's output projection when the checkpoint is read
+    embedding_multiplier: float = 1.0
+    logits_scaling: float = 1.0
 
     @property
     def n_tokens(self) -> int:
@@ -134,7 +159,7 @@ class MambaConfig:
         ssm = f"mamba{self.version}"
         for i, kind in enumerate(kinds):
             if kind not in LAYER_KINDS or (kind.startswith("mamba") and kind != ssm):
-                allowed = [ssm, "attention", "mlp"]
+                allowed = [ssm, "attention", "mlp", "moe"]
                 raise ValueError(f"MambaConfig.layer_kinds[{i}] is {kind!r}; expected one of {allowed}")
         if "attention" in kinds:
             for name in ("attn_heads", "attn_kv_heads", "attn_head_dim"):
@@ -165,6 +190,29 @@ class MambaConfig:
                     f"MambaConfig.mlp_activation must be one of {MLP_ACTIVATIONS}, "
                     f"found {self.mlp_activation!r}"
                 )
+
+        if "moe" in kinds:
+            for name in ("moe_experts", "moe_top_k", "moe_width"):
+                value = getattr(self, name)
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise ValueError(
+                        f"MambaConfig.{name} must be a positive int for MoE layers, found {value!r}"
+                    )
+            if self.moe_top_k > self.moe_experts or self.moe_router not in MOE_ROUTERS:
+                raise ValueError(
+                    f"MambaConfig: moe_top_k {self.moe_top_k} of {self.moe_experts} experts, router "
+                    f"{self.moe_router!r} (one of {MOE_ROUTERS})"
+                )
+            if self.moe_router == "sigmoid_groups" and (
+                self.moe_experts % self.moe_groups or self.moe_experts // self.moe_groups < 2
+                or not 1 <= self.moe_topk_groups <= self.moe_groups
+            ):  # fmt: skip
+                raise ValueError(
+                    f"MambaConfig: {self.moe_experts} experts in {self.moe_groups} groups (at least 2 "
+                    f"each), {self.moe_topk_groups} groups kept"
+                )
+            if self.mlp_activation not in MLP_ACTIVATIONS:
+                raise ValueError(f"MambaConfig.mlp_activation must be one of {MLP_ACTIVATIONS}")
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -282,6 +330,8 @@ def param_shapes(config: MambaConfig) -> dict[str, Any]:
         by_kind["attention"] = attention_shapes(c)
     if "mlp" in c.kinds:
         by_kind["mlp"] = mlp_shapes(c)
+    if "moe" in c.kinds:
+        by_kind["moe"] = moe_shapes(c)
     tree: dict[str, Any] = {
         "embedding": (c.vocab_size, d),
         "layers": [{"norm": (d,), "mixer": dict(by_kind[kind])} for kind in c.kinds],
@@ -320,4 +370,26 @@ def mlp_shapes(c: MambaConfig) -> dict[str, tuple[int, ...]]:
         out.update(up_b=(f,), down_b=(d,))
         if c.mlp_gated:
             out["gate_b"] = (f,)
+    return out
+
+
+def moe_shapes(c: MambaConfig) -> dict[str, tuple[int, ...]]:
+    """A mixture-of-experts sublayer's parameters: router (d, E) (router_bias (E,) for sigmoid_groups:
+    the correction added for the choice only), experts_up (E, d, f), experts_gate (E, d, f) when gated,
+    experts_down (E, f, d); the shared expert shared_up (d, s), shared_gate, shared_down (s, d) and their
+    biases when ``mlp_bias``."""
+    d, E, f, s = c.d_model, c.moe_experts, c.moe_width, c.moe_shared_width
+    out = {"router": (d, E), "experts_up": (E, d, f), "experts_down": (E, f, d)}
+    if c.moe_router == "sigmoid_groups":
+        out["router_bias"] = (E,)
+    if c.mlp_gated:
+        out["experts_gate"] = (E, d, f)
+    if s:
+        out.update(shared_up=(d, s), shared_down=(s, d))
+        if c.mlp_gated:
+            out["shared_gate"] = (d, s)
+        if c.mlp_bias:
+            out.update(shared_up_b=(s,), shared_down_b=(d,))
+            if c.mlp_gated:
+                out["shared_gate_b"] = (s,)
     return out

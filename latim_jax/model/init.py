@@ -23,8 +23,11 @@ def _dt_bias(key, size, dt_min=1e-3, dt_max=1e-1, floor=1e-4):
 
 
 # attention and MLP sublayers' matrices (fan-in first) and biases
-_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "gate_proj", "down_proj")
-_BIASES = ("q_b", "k_b", "v_b", "o_b", "up_b", "gate_b", "down_b")
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "gate_proj", "down_proj", "router",
+                "shared_up", "shared_gate", "shared_down")  # fmt: skip
+_STACKED = ("experts_up", "experts_gate", "experts_down")  # (E, fan_in, fan_out)
+_BIASES = ("q_b", "k_b", "v_b", "o_b", "up_b", "gate_b", "down_b", "shared_up_b", "shared_gate_b",
+           "shared_down_b")  # fmt: skip
 
 
 def init_params(config: MambaConfig, seed: int = 0) -> dict:
@@ -52,6 +55,10 @@ def init_params(config: MambaConfig, seed: int = 0) -> dict:
                 m[name] = _uniform(key, shape, 1.0 / math.sqrt(shape[0]))
             elif name == "conv_w":
                 m[name] = _uniform(key, shape, 1.0 / math.sqrt(c.d_conv))
+            elif name in _STACKED:
+                m[name] = _uniform(key, shape, 1.0 / math.sqrt(shape[1]))
+            elif name == "router_bias":
+                m[name] = jnp.zeros(shape)
             elif name in ("conv_b", "in_proj_b", "out_proj_b") or name in _BIASES:
                 m[name] = _uniform(key, shape, 1.0 / math.sqrt(c.d_conv if name == "conv_b" else shape[0]))
             elif name == "dt_bias":

@@ -33,6 +33,7 @@ from latim_jax.model.jit import bound_compiled_programs, jit_model_fn
 from latim_jax.model.layers import normed_linear, rms_norm
 from latim_jax.model.mixers import Mamba1Mixer, Mamba2Mixer
 from latim_jax.model.mlp import MLPMixer
+from latim_jax.model.moe import MoEMixer
 from latim_jax.model.sharding import context
 from latim_jax.parallel.context import XLA, Context
 from latim_jax.parallel.mesh import DATA, P, gather, pad_batch, put
@@ -66,7 +67,13 @@ class ModelOutput:
 
 
 # layer kind -> its module (config.LAYER_KINDS)
-MIXERS = {"mamba1": Mamba1Mixer, "mamba2": Mamba2Mixer, "attention": AttentionMixer, "mlp": MLPMixer}
+MIXERS = {
+    "mamba1": Mamba1Mixer,
+    "mamba2": Mamba2Mixer,
+    "attention": AttentionMixer,
+    "mlp": MLPMixer,
+    "moe": MoEMixer,
+}
 
 # a prompt of at least this many positions runs in_proj with its pre-norm folded past the product
 FOLD_FROM_LENGTH = 4096
@@ -217,17 +224,22 @@ class MambaLM(nnx.Module):
         return Inputs(h=h, mask=valid, tokens=ids, batch=batch, length=length, given_mask=mask is not None)
 
     def embed(self, tokens):
-        """h^0 (b, l, d) fp32."""
-        return jnp.take(self.embedding[...], tokens, axis=0).astype(f32)
+        """h^0 (b, l, d) fp32 (times ``config.embedding_multiplier`` when it is not 1)."""
+        h = jnp.take(self.embedding[...], tokens, axis=0).astype(f32)
+        m = self.config.embedding_multiplier
+        return h if m == 1.0 else h * m
 
     def final_hidden(self, h):
         """RMSNorm_f(h) in fp32 (the reference casts to the weight dtype before the head)."""
         return rms_norm(h, self.norm_f[...], self.config.rms_eps).astype(self.norm_f[...].dtype)
 
     def head(self, h):
-        """Logits (b, l, v) fp32 from the stream h entering the final norm."""
+        """Logits (b, l, v) fp32 from the stream h entering the final norm (divided by
+        ``config.logits_scaling``)."""
         w = self.unembedding
-        return jnp.matmul(self.final_hidden(h).astype(w.dtype), w.T, preferred_element_type=f32)
+        logits = jnp.matmul(self.final_hidden(h).astype(w.dtype), w.T, preferred_element_type=f32)
+        scale = self.config.logits_scaling
+        return logits if scale == 1.0 else logits / scale
 
     def run_layers(self, h, mask, ctx: Context = XLA, *, start: int = 0, stop: int | None = None) -> list:
         """[h^start, .., h^stop] the residual streams entering layers start..stop, from h = h^start (all

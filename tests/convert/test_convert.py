@@ -316,10 +316,10 @@ def test_directory_without_any_checkpoint(tmp_path):
 
 
 def test_unsupported_model_type(tmp_path):
-    write_np_hf(tmp_path / "ck", 1, config={**NP_CONFIGS[1], "model_type": "falcon_mamba"})
+    write_np_hf(tmp_path / "ck", 1, config={**NP_CONFIGS[1], "model_type": "llama"})
     with pytest.raises(CheckpointError) as err:
         read_checkpoint(tmp_path / "ck")
-    assert_names(err.value, "config.json", "model_type", "falcon_mamba")
+    assert_names(err.value, "config.json", "model_type", "llama")
 
 
 def test_pytorch_bin_without_torch_says_so(tmp_path, monkeypatch):

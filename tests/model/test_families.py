@@ -31,6 +31,19 @@ VARIANTS = {
     ),
     # multi-query attention, groups = heads
     "nemotron_h_mqa": ("nemotron_h", dict(pattern="M-*", kv_heads=1, n_groups=4, head_dim=16)),
+    # every layer kind, mixture-of-experts with group-limited sigmoid routing and a correction bias
+    "nemotron_h_moe": ("nemotron_h", dict(pattern="M*E-ME", chunk_size=8)),
+    # softmax over all experts' best two, no renormalisation, one group
+    "nemotron_h_moe_flat": (
+        "nemotron_h",
+        dict(pattern="EM*", n_group=1, norm_topk=False, scale=1.0, top_k=3),
+    ),
+    "granitemoehybrid": ("granitemoehybrid", {}),
+    # the shared MLP alone, no rotary, untied, attention first
+    "granitemoehybrid_dense": (
+        "granitemoehybrid",
+        dict(experts=0, rope=False, tied=False, layer_types=("attention", "mamba", "mamba")),
+    ),
     "bamba": ("bamba", {}),
     # attention first and last, biases everywhere, tied, the whole head rotated, one group
     "bamba_bias_tied": (
@@ -48,7 +61,7 @@ VARIANTS = {
     ),  # fmt: skip
 }
 # sublayers per transformers layer (Bamba: the mixer, then the MLP)
-STRIDE = {"bamba": 2}
+STRIDE = {"bamba": 2, "granitemoehybrid": 2}
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +107,9 @@ def test_logits_and_streams_match_transformers(family_dir, name):
         assert rel_err(model.final_hidden(out.residuals[-1]), hidden[-1]) < TOL
 
 
-@pytest.mark.parametrize("name", ["nemotron_h", "nemotron_h_mha", "falcon_mamba", "bamba_bias_tied"])
+@pytest.mark.parametrize(
+    "name", ["nemotron_h_moe", "nemotron_h_mha", "falcon_mamba", "bamba_bias_tied", "granitemoehybrid"]
+)
 def test_padded_batch_equals_each_prompt_alone_and_transformers(family_dir, name):
     path, ref = family_dir(name)
     model = latim_jax.load(path)
@@ -110,7 +125,7 @@ def test_padded_batch_equals_each_prompt_alone_and_transformers(family_dir, name
     assert rel_err(logits[1, 6:], want[0]) < TOL  # an in_proj bias at pad positions into the conv window)
 
 
-@pytest.mark.parametrize("name", ["nemotron_h", "falcon_mamba", "bamba"])
+@pytest.mark.parametrize("name", ["nemotron_h_moe", "falcon_mamba", "bamba", "granitemoehybrid"])
 def test_generation_equals_the_full_forward(family_dir, name):
     path, _ = family_dir(name)
     model = latim_jax.load(path)
@@ -145,6 +160,14 @@ def _without(model, **changes):
         ("bamba", dict(rope_dim=0)),  # rotate the whole head instead of half
         ("bamba", dict(rope_theta=10.0)),  # another theta than the config's (1000)
         ("bamba", dict(mlp_gated=False)),  # the MLP's gate skipped
+        ("granitemoehybrid", dict(embedding_multiplier=1.0)),
+        ("granitemoehybrid", dict(logits_scaling=1.0)),
+        ("granitemoehybrid", dict(attn_scale=0.0)),  # 1 / sqrt(head dim) instead of attention_multiplier
+        ("granitemoehybrid", dict(moe_top_k=1)),  # the routing: one expert instead of two
+        ("granitemoehybrid_dense", dict(mlp_activation="relu")),  # not SiLU
+        ("nemotron_h_moe", dict(moe_scale=1.0)),  # routed_scaling_factor dropped
+        ("nemotron_h_moe", dict(moe_norm_topk=False)),
+        ("nemotron_h_moe", dict(moe_groups=1)),  # group-limited choice dropped
     ],
 )
 def test_parity_fails_without_a_family_feature(family_dir, name, changes):
@@ -177,11 +200,39 @@ def test_unsupported_layer_kinds_and_fields_name_the_key(tmp_path):
     from latim_jax.convert.hf import config_from_hf
 
     base = {"model_type": "nemotron_h", "hidden_size": 32, "vocab_size": 48}
-    with pytest.raises(CheckpointError, match=r"layers_block_type\[1\].*mixture-of-experts"):
-        config_from_hf({**base, "layers_block_type": ["mamba", "moe"]})
+    with pytest.raises(CheckpointError, match=r"moe_latent_size.*not supported"):
+        config_from_hf({**base, "layers_block_type": ["mamba", "moe"], "moe_latent_size": 16})
     with pytest.raises(CheckpointError, match=r"hybrid_override_pattern\[2\].*unknown layer type"):
         config_from_hf({**base, "hybrid_override_pattern": "M*X"})
     with pytest.raises(CheckpointError, match="mystery_field"):
         config_from_hf({**base, "hybrid_override_pattern": "M*", "mystery_field": 1})
     with pytest.raises(CheckpointError, match="num_hidden_layers"):
         config_from_hf({**base, "hybrid_override_pattern": "M*", "num_hidden_layers": 3})
+
+
+def test_the_residual_multiplier_is_folded(family_dir, monkeypatch):
+    """Granite's residual_multiplier scales every sublayer's output: read without the fold, parity fails."""
+    from latim_jax.convert import hybrids
+
+    path, ref = family_dir("granitemoehybrid")
+    tokens = np.random.default_rng(5).integers(0, 48, (1, 13))
+    logits, _ = reference(ref, tokens)
+    assert rel_err(latim_jax.load(path)(tokens), logits) < TOL
+    monkeypatch.setitem(hybrids.FINISH, "granitemoehybrid", lambda data, config, params: params)
+    assert rel_err(latim_jax.load(path)(tokens), logits) > 10 * TOL
+
+
+def test_nemotron_h_experts_are_stacked_in_order(family_dir, tmp_path):
+    """Each expert's matrices are stored apart; a missing expert is an error naming its tensor."""
+    from safetensors.numpy import load_file, save_file
+
+    from latim_jax.convert.errors import CheckpointError
+
+    path, _ = family_dir("nemotron_h_moe")
+    tensors = load_file(str(path / "model.safetensors"))
+    missing = [k for k in tensors if ".experts.5.up_proj" in k][0]
+    del tensors[missing]
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=missing.replace(".", r"\.")):
+        latim_jax.load(tmp_path)

@@ -1,0 +1,97 @@
+"""Mixture-of-experts sublayers (Granite-4 / GraniteMoeHybrid, Nemotron-H) as a Flax NNX module (shape
+letters: see latim_jax.model.config; E experts, k of them per token, f an expert's width, s the shared
+expert's width).
+
+    router logits r = xhat W_router (fp32)
+    "softmax_topk" (Granite):   the k largest r, weights softmax over those k
+    "sigmoid_groups" (Nemotron-H): s = sigmoid(r); choice by s + b_corr within the ``moe_topk_groups``
+                                groups (of E / moe_groups) whose two best sum highest; weights s of the
+                                chosen, / their sum (+1e-20) when moe_norm_topk, times moe_scale
+    o = sum_{chosen e} w_e expert_e(xhat) + shared(xhat)          expert / shared: the MLP form of the
+                                                                 config (gated or not, mlp_activation)
+
+Each position's output depends on that position alone: a token-wise kind (latim_jax.latim.tokenwise).
+The experts run densely, one at a time over every position (a scan: memory O(l f), compute E / k times
+the routed minimum), weighted by zero where not chosen.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from latim_jax.kernels import f32
+from latim_jax.model.layers import linear
+from latim_jax.model.mlp import MLP_ACTIVATIONS
+from latim_jax.model.params import ParamModule
+from latim_jax.parallel.context import XLA, Context
+
+ROUTERS = ("softmax_topk", "sigmoid_groups")
+
+
+class MoEMixer(ParamModule):
+    """Routed experts plus an optional shared expert, applied to each position alone."""
+
+    kind = "moe"
+    NAMES = (
+        "router", "router_bias", "experts_gate", "experts_up", "experts_down",
+        "shared_gate", "shared_gate_b", "shared_up", "shared_up_b", "shared_down", "shared_down_b",
+    )  # fmt: skip
+
+    def routing(self, x):
+        """Dense routing weights (..., E) fp32 for the normalised input x (..., d): zero off the chosen."""
+        c = self.config
+        logits = jnp.matmul(x.astype(f32), self.router[...].astype(f32))
+        E, k = c.moe_experts, c.moe_top_k
+        if c.moe_router == "softmax_topk":
+            values, index = jax.lax.top_k(logits, k)
+            weights = jax.nn.softmax(values, axis=-1)
+        else:
+            scores = jax.nn.sigmoid(logits)
+            choice = scores + self.router_bias[...].astype(f32)
+            grouped = choice.reshape(*choice.shape[:-1], c.moe_groups, E // c.moe_groups)
+            group_score = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # (..., groups)
+            _, kept = jax.lax.top_k(group_score, c.moe_topk_groups)
+            keep = jnp.sum(jax.nn.one_hot(kept, c.moe_groups, dtype=bool), axis=-2) > 0  # (..., groups)
+            keep = jnp.repeat(keep, E // c.moe_groups, axis=-1)
+            _, index = jax.lax.top_k(jnp.where(keep, choice, -jnp.inf), k)
+            weights = jnp.take_along_axis(scores, index, axis=-1)
+            if c.moe_norm_topk:
+                weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+            weights = weights * c.moe_scale
+        return jnp.sum(jax.nn.one_hot(index, E, dtype=f32) * weights[..., None], axis=-2)
+
+    def _mlp(self, x, gate, up, down, gate_b=None, up_b=None, down_b=None):
+        act = MLP_ACTIVATIONS[self.config.mlp_activation]
+        u = linear(x, up, up_b)
+        hidden = act(linear(x, gate, gate_b)) * u if gate is not None else act(u)
+        return linear(hidden, down, down_b)
+
+    def __call__(self, x, *, mask=None, ctx: Context = XLA):
+        """The sublayer output o (b, l, d) fp32 for the normalised input x (b, l, d)."""
+        del mask, ctx
+        weights = self.routing(x)  # (b, l, E)
+        gate = self._get("experts_gate")
+
+        def expert(acc, e):
+            g = None if gate is None else gate[e]
+            y = self._mlp(x, g, self.experts_up[...][e], self.experts_down[...][e])
+            return acc + weights[..., e, None] * y, None
+
+        out, _ = jax.lax.scan(expert, jnp.zeros(x.shape, f32), jnp.arange(self.config.moe_experts))
+        if self._get("shared_up") is not None:
+            out = out + self._mlp(
+                x, self._get("shared_gate"), self.shared_up[...], self.shared_down[...],
+                self._get("shared_gate_b"), self._get("shared_up_b"), self._get("shared_down_b"),
+            )  # fmt: skip
+        return out
+
+    def init_cache(self, batch: int, max_length: int):
+        """No state: experts remember nothing between tokens."""
+        del batch, max_length
+        return ()
+
+    def step(self, x_t, cache, valid):
+        """One token x_t (b, d) -> (o_t (b, d), cache)."""
+        del valid
+        return self(x_t[:, None])[:, 0], cache
