@@ -357,8 +357,33 @@ def task_compile(spec):
     }
 
 
+def task_built(spec):
+    """Time and memory of one attribution call on a model built from ``spec['config']`` (MambaConfig
+    fields, random weights with seed ``spec['seed']``: hybrids need no transformers checkpoint)."""
+    import jax
+    import jax.numpy as jnp
+
+    import latim_jax
+    from latim_jax.model.init import init_params
+
+    config = latim_jax.MambaConfig.from_dict(spec["config"])
+    model = latim_jax.MambaLM(config, init_params(config, spec.get("seed", 0)))
+    tokens = jnp.asarray(prompts({**spec, "vocab": config.vocab_size}))
+    kw = dict(method=spec["method"], rows=spec.get("rows"), memory_limit=None)
+
+    def fn():
+        return latim_jax.attribute(model, tokens, **kw).scores
+
+    gc.collect()
+    rss_load = _status_gib("VmRSS")
+    reset_ok = reset_peak()
+    _, first, times, cpu = timed(fn, spec.get("runs", 2), spec.get("budget_s", 60.0), jax.block_until_ready)
+    return summary(first, times, cpu, rss_load, reset_ok)
+
+
 TASKS = {
     "probe": task_probe,
+    "built": task_built,
     "prepare": task_prepare,
     "attribute": task_attribute,
     "forward": task_forward,

@@ -52,9 +52,30 @@ _NEMOTRON_IGNORED = GENERIC_IGNORED | {
     "attention_bias", "attention_dropout", "sliding_window", "max_position_embeddings", "expand",
     "time_step_limit", "time_step_floor", "mamba_proj_bias", "hidden_dropout", "use_mamba_kernels",
     "num_logits_to_keep", "mamba_ssm_cache_dtype", "output_router_logits", "num_nextn_predict_layers",
-    "mtp_layers_block_type", "moe_shared_expert_overlap", "n_shared_experts", "mamba_n_groups", "mamba_d_conv", "mamba_expand", "mamba_dt_min",
-    "mamba_dt_max", "mamba_dt_limit", "mamba_dt_init_floor", "mamba_conv_bias", "mamba_chunk_size",
+    "mtp_layers_block_type", "moe_shared_expert_overlap", "n_shared_experts",
 }  # fmt: skip
+# the legacy names transformers' NemotronHConfig still accepts -> the fields they set
+_NEMOTRON_ALIASES = {
+    "mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "mamba_expand": "expand",
+    "mamba_dt_min": "time_step_min", "mamba_dt_max": "time_step_max", "mamba_dt_limit": "time_step_limit",
+    "mamba_dt_init_floor": "time_step_floor", "mamba_conv_bias": "use_conv_bias",
+    "mamba_chunk_size": "chunk_size",
+}  # fmt: skip
+
+
+def _resolve_aliases(data: dict[str, Any], aliases: dict[str, str], file: str) -> dict[str, Any]:
+    """``data`` with each legacy key renamed to its field; both present with different values is an
+    error naming the legacy key."""
+    out = dict(data)
+    for old, new in aliases.items():
+        if old in out:
+            value = out.pop(old)
+            if new in out and out[new] != value:
+                raise ConfigFields({}, file=file, handled=()).error(
+                    old, f"disagrees with {new} (transformers reads it as {new})", out[new], value
+                )
+            out[new] = value
+    return out
 
 
 def _activation(f: ConfigFields, key: str, default: str) -> str:
@@ -99,6 +120,7 @@ def nemotron_h_kinds(f: ConfigFields) -> tuple[str, ...]:
 def nemotron_h_config(data: dict[str, Any], file: str) -> MambaConfig:
     """A :class:`MambaConfig` from transformers' ``NemotronHConfig`` (``model_type: nemotron_h``):
     each layer one sublayer, RMSNorm + one of Mamba-2 / attention (no rotary, no bias) / relu^2 MLP."""
+    data = _resolve_aliases(data, _NEMOTRON_ALIASES, file)
     f = ConfigFields(data, file=file, handled=_NEMOTRON_HANDLED, ignored=_NEMOTRON_IGNORED)
     kinds = nemotron_h_kinds(f)
     d_model = f.int("hidden_size", 4096)
@@ -307,7 +329,8 @@ def granite_config(data: dict[str, Any], file: str) -> MambaConfig:
         attn_out_bias=f.bool("attention_bias", False), attn_scale=f.float("attention_multiplier", 1.0),
         rope_theta=theta if rope else 0.0, mlp_width=shared,
         mlp_activation=_mlp_activation(f, "hidden_act", "silu"), mlp_gated=True,
-        embedding_multiplier=f.float("embedding_multiplier", 1.0), logits_scaling=f.float("logits_scaling", 1.0),
+        embedding_multiplier=f.float("embedding_multiplier", 1.0),
+        logits_scaling=f.float("logits_scaling", 1.0),
         **moe,
     )  # fmt: skip
 

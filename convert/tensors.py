@@ -122,8 +122,11 @@ class _Stacked:
     def read(self, key: str) -> np.ndarray:
         arrays = [source.read(name) for name, source in self._parts]
         if len({a.dtype for a in arrays}) > 1:
-            raise CheckpointError("tensors of one stacked group differ in dtype", file=self.name, key=key,
-                                  expected=arrays[0].dtype, found=sorted({str(a.dtype) for a in arrays}))  # fmt: skip
+            found = sorted({str(a.dtype) for a in arrays})
+            raise CheckpointError(
+                "tensors of one stacked group differ in dtype", file=self.name, key=key,
+                expected=arrays[0].dtype, found=found,
+            )  # fmt: skip
         return np.stack(arrays)
 
     def close(self) -> None:

@@ -104,11 +104,13 @@ def granite(
 
     torch.manual_seed(seed)
     cfg = transformers.GraniteMoeHybridConfig(
-        vocab_size=vocab, hidden_size=d_model, num_hidden_layers=len(layer_types), layer_types=list(layer_types),
+        vocab_size=vocab, hidden_size=d_model, num_hidden_layers=len(layer_types),
+        layer_types=list(layer_types),
         num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=24,
         shared_intermediate_size=40, num_local_experts=experts, num_experts_per_tok=top_k,
         mamba_n_heads=mamba_heads, mamba_d_head=2 * d_model // mamba_heads, mamba_n_groups=n_groups,
-        mamba_d_state=d_state, mamba_chunk_size=chunk_size, position_embedding_type="rope" if rope else "nope",
+        mamba_d_state=d_state, mamba_chunk_size=chunk_size,
+        position_embedding_type="rope" if rope else "nope",
         tie_word_embeddings=tied, embedding_multiplier=embedding_multiplier,
         residual_multiplier=residual_multiplier, attention_multiplier=attention_multiplier,
         logits_scaling=logits_scaling,

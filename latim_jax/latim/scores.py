@@ -126,7 +126,9 @@ def layer_scores(
     if kernels and method == "logit+alti":
         common = dict(mask=mask, ctx=ctx, blocks=blocks, precision=precision)
         return layer_scores(f, "logit", rows, aux=aux, **common), layer_scores(f, "alti", rows, **common)
-    if kernels:
+    if hasattr(f, "diagonal_scores"):  # a token-wise kind: only (i, i) pairs, no tiles
+        s = f.diagonal_scores(method, rows, aux)
+    elif kernels:
         s = fused_scores.fused_layer_scores(
             f, method, rows, aux=aux, block_sizes=blocks, precision=precision, reference=_kernel_reference
         )

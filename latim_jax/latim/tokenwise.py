@@ -50,6 +50,27 @@ class TokenwiseFactors:
         diag = (rows[:, None] == (j0 + jnp.arange(width))[None, :]).astype(f32)  # (r, width)
         return diag[None, :, :, None] * self.output[:, rows][:, :, None, :]
 
+    def diagonal_scores(self, method: str, rows, aux=None):
+        """The unnormalised scores (b, r, l) of target ``rows`` without the tile loop: every pair but
+        (i, i) is 0, and c_ii is ||o_i||_2 (l2), ||o_i||_1 (l1), the ALTI gain ||hout_i||_1 - ||hout_i -
+        (o_i + h_i)||_1 = ||hout_i||_1 (alti), aux_i . o_i (logit); "logit+alti": both, (b, r, l, 2)."""
+        o = self.output[:, rows]  # (b, r, d)
+        if method == "logit+alti":
+            return jnp.stack([self.diagonal_scores(m, rows, aux) for m in ("logit", "alti")], -1)
+        if method == "l2":
+            sq = jnp.sum(o * o, -1)  # a zero norm gets gradient 0, not NaN
+            c = jnp.where(sq == 0, 0.0, jnp.sqrt(jnp.where(sq == 0, 1.0, sq)))
+        elif method == "l1":
+            c = jnp.sum(jnp.abs(o), -1)
+        elif method == "alti":
+            c = jnp.sum(jnp.abs(o + self.h[:, rows]), -1)
+        elif method == "logit":
+            c = jnp.sum(aux[:, rows] * o, -1)
+        else:
+            raise ValueError(f"unknown LaTIM score {method!r}")
+        diag = rows[:, None] == jnp.arange(self.length)[None, :]  # (r, l)
+        return jnp.where(diag[None], c[..., None], 0.0)
+
     def attention_map(self, rows, j0, width: int):
         """This kind's hidden attention: the identity (each position reads itself), (b, r, width)."""
         diag = (rows[:, None] == (j0 + jnp.arange(width))[None, :]).astype(f32)

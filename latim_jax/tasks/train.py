@@ -142,7 +142,9 @@ def mimetic_init(params: dict, config: MambaConfig, *, a_log_scale: float = MIME
     """
     c = config
     out = jax.tree.map(lambda a: np.array(a, copy=True), params)
-    for layer in out["layers"]:
+    for kind, layer in zip(c.kinds, out["layers"], strict=True):
+        if not kind.startswith("mamba"):  # a hybrid's attention and MLP layers keep the default init
+            continue
         m = layer["mixer"]
         m["A_log"] = a_log_scale * m["A_log"]
         m["dt_bias"] = np.full_like(m["dt_bias"], MIMETIC_DT_BIAS)

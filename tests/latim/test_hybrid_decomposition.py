@@ -164,3 +164,18 @@ def test_the_factors_of_every_kind_honour_the_interface(hybrid):
         assert rel_err(T.sum(2) + f.bias, f.output) < 2e-6, kind
         assert rel_err(f.token_total + f.bias, f.output) < 2e-6, kind
         np.testing.assert_allclose(streams[layer + 1], streams[layer] + f.output, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["l2", "l1", "alti", "logit", "logit+alti"])
+def test_token_wise_shortcut_equals_the_tile_loop(hybrid, method):
+    """Token-wise layers score only their diagonal (no tiles): the same numbers as the generic loop."""
+    from latim_jax.latim.scores import blocked_scores
+
+    tokens = _tokens()
+    h = hybrid.forward(tokens).residuals[2]
+    f = layer_factors(hybrid, h, 2)
+    rows = jnp.asarray([0, 7, 20])
+    aux = jnp.asarray(np.random.default_rng(0).standard_normal(h.shape), jnp.float32)
+    got = f.diagonal_scores(method, rows, aux)
+    want = blocked_scores(f, method, rows, aux)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

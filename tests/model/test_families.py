@@ -208,6 +208,11 @@ def test_unsupported_layer_kinds_and_fields_name_the_key(tmp_path):
         config_from_hf({**base, "hybrid_override_pattern": "M*", "mystery_field": 1})
     with pytest.raises(CheckpointError, match="num_hidden_layers"):
         config_from_hf({**base, "hybrid_override_pattern": "M*", "num_hidden_layers": 3})
+    # a legacy alias is read as its field, never ignored; both given and different is an error
+    legacy = config_from_hf({**base, "hybrid_override_pattern": "M*", "mamba_n_groups": 1, "mamba_d_conv": 3})
+    assert (legacy.n_groups, legacy.d_conv) == (1, 3)
+    with pytest.raises(CheckpointError, match="mamba_chunk_size.*disagrees with chunk_size"):
+        config_from_hf({**base, "hybrid_override_pattern": "M", "mamba_chunk_size": 64, "chunk_size": 128})
 
 
 def test_the_residual_multiplier_is_folded(family_dir, monkeypatch):

@@ -24,6 +24,11 @@ SCRIPT = textwrap.dedent(
         1: MambaConfig(version=1, d_model=16, n_layers=2, vocab_size=32, d_state=4, d_conv=4, proj_bias=True),
         2: MambaConfig(version=2, d_model=16, n_layers=2, vocab_size=32, d_state=4, d_conv=3, head_dim=4,
                        n_groups=2, chunk_size=4),
+        # a hybrid: Mamba-2, attention (GQA, rotary), MLP, experts
+        "h": MambaConfig(version=2, d_model=16, n_layers=4, vocab_size=32, d_state=4, head_dim=4, n_groups=2,
+                         chunk_size=4, layer_kinds=("mamba2", "attention", "mlp", "moe"), attn_heads=4,
+                         attn_kv_heads=2, attn_head_dim=4, rope_theta=100.0, mlp_width=24, mlp_gated=True,
+                         moe_experts=4, moe_top_k=2, moe_width=8, moe_shared_width=8),
     }
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 32, (3, 10))  # 3 prompts: not a multiple of the data axis
@@ -40,6 +45,8 @@ SCRIPT = textwrap.dedent(
         (2, "l2", (2, 4), "pallas", "full"),     # the SSD kernel (groups gathered per head) + fused scores
         (1, "logit", (1, 8), "pallas", "long"),  # one long prompt: rows over 8 devices, scan channels split
         (1, "hidden_attention", (8, 1), "xla", "full"),  # data-parallel, batch padded 3 -> 8
+        ("h", "alti", (2, 4), "xla", "full"),    # every hybrid kind, rows split
+        ("h", "logit", (1, 8), "pallas", "long"),  # the kernel for the SSM, the tile loop for the rest
     ]
     for version, method, shape, impl, batch in RUNS:
         params = init_params(CFG[version], 1)
