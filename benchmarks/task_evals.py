@@ -1,6 +1,7 @@
 """Regenerate the task-evaluation tables recorded in benchmarks/ (and quoted in the README).
 
-Usage: python benchmarks/task_evals.py [--only copy mqar variants align needle] [--versions 1 2] [--n 128]
+Usage: python benchmarks/task_evals.py [--only copy mqar variants align needle hybrid] [--versions 1 2]
+                                       [--n 128]
                                        [--variants DIR] [--align-n 512] [--needle-n 32]
                                        [--lengths 512 2048 8192]
 
@@ -14,6 +15,8 @@ align:       the shipped translation models, AER of every method (latim_jax.task
              -> align_eval_mamba{v}.{md,json}
 needle:      the shipped needle models at each length, retrieval accuracy and attribution AUC / R@1
              of the query rows (latim_jax.tasks.evaluate_needle) -> needle_eval_mamba{v}.{md,json}
+hybrid:      the shipped hybrid needle model (Mamba-2 + attention), with and without its attention
+             output: accuracy and per-sublayer maps (latim_jax.tasks.hybrid_needle) -> hybrid_needle.{md,json}
 
 All on the same held-out sequences (seed 10000); each file is written atomically. Without --only,
 every table except variants (which needs --variants) is regenerated.
@@ -31,6 +34,7 @@ from latim_jax.io.loading import SHIPPED
 from latim_jax.tasks import evaluate as ev
 from latim_jax.tasks import evaluate_align as ea
 from latim_jax.tasks import evaluate_needle as en
+from latim_jax.tasks import hybrid_needle as hn
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "results" / "tasks"  # task evaluations, apart from the speed and memory results
@@ -45,7 +49,7 @@ def _write(stem: str, table: str, report) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--only", nargs="+", default=None, choices=("copy", "mqar", "variants", "align", "needle")
+        "--only", nargs="+", default=None, choices=("copy", "mqar", "variants", "align", "needle", "hybrid")
     )
     parser.add_argument("--n", type=int, default=128, help="held-out sequences")
     parser.add_argument("--versions", type=int, nargs="+", default=[1, 2], choices=(1, 2))
@@ -55,7 +59,7 @@ def main(argv=None) -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=list(en.LENGTHS), help="needle lengths")
     args = parser.parse_args(argv)
     if args.only is None:
-        args.only = ["copy", "mqar", "align", "needle"] + (["variants"] if args.variants else [])
+        args.only = ["copy", "mqar", "align", "needle", "hybrid"] + (["variants"] if args.variants else [])
     for v in args.versions:
         if "copy" in args.only:
             model = latim_jax.load(f"copy-mamba{v}")
@@ -83,6 +87,11 @@ def main(argv=None) -> None:
                 models[path.name].source = path.name
             reports = ev.compare_models(models, n_sequences=args.n)
             _write(f"variants_mamba{v}", ev.format_comparison_table(reports), reports)
+    if "hybrid" in args.only:
+        report = hn.where_retrieved(
+            latim_jax.load("needle-hybrid"), lengths=tuple(args.lengths), n_sequences=args.needle_n
+        )
+        _write("hybrid_needle", hn.format_report(report), report)
 
 
 if __name__ == "__main__":

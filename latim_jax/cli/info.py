@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from latim_jax.model.config import KIND_NAMES
 from latim_jax.tasks import vocab
 from latim_jax.tasks.registry import TASK_FIELDS
 
@@ -42,8 +43,11 @@ def summary(model, path=None) -> str:
         if "mlp" in c.kinds:
             gated = "gated " if c.mlp_gated else ""
             arch += f"; {gated}MLP width {c.mlp_width}, {c.mlp_activation}"
+        if "moe" in c.kinds:
+            shared = f", shared expert width {c.moe_shared_width}" if c.moe_shared_width else ""
+            experts = f"{c.moe_experts} experts (top {c.moe_top_k}, {c.moe_router})"
+            arch += f"; {experts} of width {c.moe_width}{shared}"
         lines.append(f"  sublayers: {arch}")
-    names = {f"mamba{c.version}": f"Mamba-{c.version} mixer", "attention": "attention", "mlp": "MLP"}
     all_params = model.params()["layers"]
     for kind in dict.fromkeys(c.kinds):
         at = [i for i, k in enumerate(c.kinds) if k == kind]
@@ -51,7 +55,9 @@ def summary(model, path=None) -> str:
         shapes = ", ".join(f"{k} {tuple(v.shape)}" for k, v in layer["mixer"].items())
         per_layer, _ = parameter_counts(layer)
         where = "" if len(at) == c.n_layers else f" (layers {_spans(at)})"
-        lines.append(f"layers: {len(at)} x [RMSNorm, {names[kind]}]{where} ({per_layer:,} parameters each)")
+        lines.append(
+            f"layers: {len(at)} x [RMSNorm, {KIND_NAMES[kind]}]{where} ({per_layer:,} parameters each)"
+        )
         lines.append(f"  {kind} parameters: {shapes}")
     head = "tied to the embedding" if c.tie_embeddings else "separate lm_head"
     padded = "" if c.n_tokens == c.vocab_size else f" ({c.n_tokens} tokens, rows past them are padding)"

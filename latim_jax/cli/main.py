@@ -53,6 +53,7 @@ from latim_jax.latim.kinds import MODES
 from latim_jax.latim.memory import InsufficientMemoryError, human
 from latim_jax.latim.scores import LATIM_METHODS, METHODS, PRECISIONS
 from latim_jax.model import generate as generation
+from latim_jax.model.config import KIND_NAMES
 from latim_jax.tasks import registry, vocab
 
 __all__ = [
@@ -199,7 +200,7 @@ def cmd_convert(args):
         )
     except (ValueError, FileExistsError) as err:
         raise UsageError(str(err)) from err
-    print(f"wrote {dest} (Mamba-{config.version}, {config.n_layers} layers, d_model {config.d_model})")
+    print(f"wrote {dest} ({config.describe()}, {config.n_layers} layers, d_model {config.d_model})")
 
 
 def cmd_check(args):
@@ -301,9 +302,6 @@ def cmd_attribute(args):
         print(f"paper-mode approximation error per layer: {err}")
 
 
-KIND_LABELS = {"mamba1": "Mamba-1", "mamba2": "Mamba-2", "attention": "attention", "mlp": "MLP"}
-
-
 def _pictures(args, model, result, labels, plot_layers):
     """The --plot figure and the --html page of an attribute result."""
     scores = np.asarray(result.scores[0])
@@ -313,7 +311,7 @@ def _pictures(args, model, result, labels, plot_layers):
         picked = [result.layers.index(k % n) for k in plot_layers]
     kinds = model.config.kinds if model.config.is_hybrid else None  # a hybrid's panels name their kind
     names = [
-        f"layer {result.layers[k]}" + (f" ({KIND_LABELS[kinds[result.layers[k]]]})" if kinds else "")
+        f"layer {result.layers[k]}" + (f" ({KIND_NAMES[kinds[result.layers[k]]]})" if kinds else "")
         for k in picked
     ]
     rows = list(result.rows) if result.rows is not None else list(range(len(labels)))

@@ -16,7 +16,7 @@ from latim_jax.model.lm import MambaLM
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 SHIPPED = (
     "copy-mamba1", "copy-mamba2", "mqar-mamba1", "mqar-mamba2", "align-mamba1", "align-mamba2",
-    "needle-mamba1", "needle-mamba2",
+    "needle-mamba1", "needle-mamba2", "needle-hybrid",
 )  # fmt: skip
 DEFAULT_MODEL = "copy-mamba2"
 
@@ -67,15 +67,16 @@ def resolve(source: str | os.PathLike | None) -> Path:
 
 
 def load(source: str | os.PathLike | None = None, dtype=None) -> MambaLM:
-    """Load a Mamba-1 or Mamba-2 model as a :class:`~latim_jax.model.lm.MambaLM`.
+    """Load a Mamba-1, Mamba-2 or hybrid model as a :class:`~latim_jax.model.lm.MambaLM`.
 
     Args:
       source: None (the shipped Mamba-2 copy-task model), a shipped name ("copy-mamba1",
         "copy-mamba2": the copy task; "mqar-mamba1", "mqar-mamba2": multi-query associative
         recall; "align-mamba1", "align-mamba2": translation with gold word alignments;
-        "needle-mamba1", "needle-mamba2": needle retrieval), a local directory (absolute or relative
-        to the current directory) in Hugging Face, mamba_ssm or Codestral format or written by
-        ``latim-jax convert``, or a hub id such as "state-spaces/mamba-130m-hf" (needs network
+        "needle-mamba1", "needle-mamba2", "needle-hybrid" (Mamba-2 + attention): needle retrieval), a
+        local directory (absolute or relative to the current directory) in Hugging Face (Mamba,
+        Mamba-2, Falcon-Mamba, Nemotron-H, Bamba, Granite-4.0-H), mamba_ssm or Codestral format or
+        written by ``latim-jax convert``, or a hub id such as "state-spaces/mamba-130m-hf" (needs network
         access). See :func:`resolve`.
       dtype: parameter dtype ("float32", "bfloat16", or a jnp dtype); default: as stored.
 

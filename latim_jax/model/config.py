@@ -34,6 +34,8 @@ OUTPUT_PARAMS = {
     "moe": ("experts_down", "shared_down", "shared_down_b"),
 }
 MOE_ROUTERS = ("softmax_topk", "sigmoid_groups")
+# how plots, tables and the CLI name each kind
+KIND_NAMES = {"mamba1": "Mamba-1", "mamba2": "Mamba-2", "attention": "attention", "mlp": "MLP", "moe": "MoE"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -218,6 +220,15 @@ class MambaConfig:
     def kinds(self) -> tuple[str, ...]:
         """The kind of every sublayer, in forward order (``layer_kinds``, or the Mamba kind repeated)."""
         return self.layer_kinds or (f"mamba{self.version}",) * self.n_layers
+
+    def describe(self) -> str:
+        """A short name: "Mamba-2", or a hybrid's family and mix ("nemotron_h: 12 Mamba-2, 3 attention,
+        9 MLP sublayers")."""
+        if not self.is_hybrid:
+            return f"{self.family}: Mamba-{self.version}" if self.family else f"Mamba-{self.version}"
+        counts = {k: self.kinds.count(k) for k in dict.fromkeys(self.kinds)}
+        mix = ", ".join(f"{n} {KIND_NAMES[k]}" for k, n in counts.items())
+        return f"{self.family or 'hybrid'}: {mix} sublayers"
 
     @property
     def is_hybrid(self) -> bool:

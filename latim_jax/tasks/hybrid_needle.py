@@ -15,12 +15,10 @@ from __future__ import annotations
 import numpy as np
 
 from latim_jax.kernels.block_sizes import Blocks
-from latim_jax.model.config import OUTPUT_PARAMS
+from latim_jax.model.config import KIND_NAMES, OUTPUT_PARAMS
 from latim_jax.model.lm import MambaLM
 from latim_jax.tasks import needle, registry
 from latim_jax.tasks.evaluate_needle import LENGTHS, SETTINGS, _gold, _score, retrieval_accuracy, setting_task
-
-KIND_NAMES = {"mamba1": "Mamba-1", "mamba2": "Mamba-2", "attention": "attention", "mlp": "MLP", "moe": "MoE"}
 
 
 def ablate(model, kinds=("attention",)) -> MambaLM:
