@@ -218,6 +218,35 @@ _BAMBA_IGNORED = GENERIC_IGNORED | {
 }  # fmt: skip
 
 
+def _attention_fields(f: ConfigFields, d_model: int, kv_default: Any) -> dict[str, Any]:
+    """Bamba's and Granite's attention fields: heads, key/value heads (None: as many as heads), the head
+    dim (``head_dim``, else hidden_size / heads) and the one bias switch of q, k, v and o."""
+    heads = f.int("num_attention_heads", 32)
+    kv = f.raw("num_key_value_heads", kv_default)
+    kv = heads if kv is None else f.int("num_key_value_heads", kv_default)
+    bias = f.bool("attention_bias", False)
+    return dict(attn_heads=heads, attn_kv_heads=kv, attn_head_dim=_attention_head_dim(f, d_model, heads),
+                attn_bias=bias, attn_out_bias=bias)  # fmt: skip
+
+
+def _mamba2_fields(f: ConfigFields, d_model: int, eps_default: float) -> dict[str, Any]:
+    """Bamba's and Granite's Mamba-2 fields (``mamba_*``, the time-step limit, the norm eps, the conv
+    activation ``hidden_act``)."""
+    expand, m_heads = f.int("mamba_expand", 2), f.int("mamba_n_heads", 128)
+    m_head = f.raw("mamba_d_head", "auto")
+    m_head = expand * d_model // m_heads if m_head == "auto" else f.int("mamba_d_head")
+    if m_head * m_heads != expand * d_model:
+        raise f.error("mamba_d_head", "mamba_n_heads * mamba_d_head must equal mamba_expand * hidden_size",
+                      expand * d_model // m_heads, m_head)  # fmt: skip
+    return dict(
+        d_state=f.int("mamba_d_state", 256), d_conv=f.int("mamba_d_conv", 4), expand=expand, head_dim=m_head,
+        n_groups=f.int("mamba_n_groups", 1), chunk_size=f.int("mamba_chunk_size", 256),
+        conv_bias=f.bool("mamba_conv_bias", True), proj_bias=f.bool("mamba_proj_bias", False),
+        rms_eps=f.float("rms_norm_eps", eps_default), activation=_activation(f, "hidden_act", "silu"),
+        time_step_limit=f.float_pair("time_step_limit", (0.0, math.inf)),
+    )  # fmt: skip
+
+
 def bamba_config(data: dict[str, Any], file: str) -> MambaConfig:
     """A :class:`MambaConfig` from transformers' ``BambaConfig`` (``model_type: bamba``): each layer i is
     two sublayers, 2i its mixer (Mamba-2, or attention when i is in ``attn_layer_indices``: GQA, rotary
@@ -232,29 +261,13 @@ def bamba_config(data: dict[str, Any], file: str) -> MambaConfig:
     for i in range(n):
         kinds += ["attention" if i in attn else "mamba2", "mlp"]
     d_model = f.int("hidden_size", 4096)
-    heads = f.int("num_attention_heads", 32)
-    kv = f.raw("num_key_value_heads", 8)
-    kv = heads if kv is None else f.int("num_key_value_heads", 8)
-    head_dim = _attention_head_dim(f, d_model, heads)
+    attention = _attention_fields(f, d_model, 8)
     theta, fraction = _rope(f, 10000.0, 0.5)
-    expand, m_heads = f.int("mamba_expand", 2), f.int("mamba_n_heads", 128)
-    m_head = f.raw("mamba_d_head", "auto")
-    m_head = expand * d_model // m_heads if m_head == "auto" else f.int("mamba_d_head")
-    if m_head * m_heads != expand * d_model:
-        raise f.error("mamba_d_head", "mamba_n_heads * mamba_d_head must equal mamba_expand * hidden_size",
-                      expand * d_model // m_heads, m_head)  # fmt: skip
-    act = _activation(f, "hidden_act", "silu")
     return build_config(
         file, version=2, family="bamba", d_model=d_model, n_layers=len(kinds), layer_kinds=tuple(kinds),
-        vocab_size=f.int("vocab_size", 128000), d_state=f.int("mamba_d_state", 256),
-        d_conv=f.int("mamba_d_conv", 4), expand=expand, head_dim=m_head, n_groups=f.int("mamba_n_groups", 1),
-        chunk_size=f.int("mamba_chunk_size", 256), conv_bias=f.bool("mamba_conv_bias", True),
-        proj_bias=f.bool("mamba_proj_bias", False), rms_eps=f.float("rms_norm_eps", 1e-5),
-        tie_embeddings=f.bool("tie_word_embeddings", False), activation=act,
-        time_step_limit=f.float_pair("time_step_limit", (0.0, math.inf)),
-        attn_heads=heads, attn_kv_heads=kv, attn_head_dim=head_dim, attn_bias=f.bool("attention_bias", False),
-        attn_out_bias=f.bool("attention_bias", False), rope_theta=theta,
-        rope_dim=_rope_dim(head_dim, fraction), mlp_width=f.int("intermediate_size", 14336),
+        vocab_size=f.int("vocab_size", 128000), tie_embeddings=f.bool("tie_word_embeddings", False),
+        **_mamba2_fields(f, d_model, 1e-5), **attention, rope_theta=theta,
+        rope_dim=_rope_dim(attention["attn_head_dim"], fraction), mlp_width=f.int("intermediate_size", 14336),
         mlp_activation=_mlp_activation(f, "hidden_act", "silu"), mlp_gated=True,
         mlp_bias=f.bool("mlp_bias", False),
     )  # fmt: skip
@@ -300,18 +313,8 @@ def granite_config(data: dict[str, Any], file: str) -> MambaConfig:
     if experts:
         kinds = [k if k != "mlp" else "moe" for k in kinds]
     d_model = f.int("hidden_size", 4096)
-    heads = f.int("num_attention_heads", 32)
-    kv = f.raw("num_key_value_heads", None)
-    kv = heads if kv is None else f.int("num_key_value_heads")
-    head_dim = _attention_head_dim(f, d_model, heads)
     rope = f.raw("position_embedding_type", None) == "rope"
     theta, _ = _rope(f, 10000.0, 1.0)
-    expand, m_heads = f.int("mamba_expand", 2), f.int("mamba_n_heads", 128)
-    m_head = f.raw("mamba_d_head", "auto")
-    m_head = expand * d_model // m_heads if m_head == "auto" else f.int("mamba_d_head")
-    if m_head * m_heads != expand * d_model:
-        raise f.error("mamba_d_head", "mamba_n_heads * mamba_d_head must equal mamba_expand * hidden_size",
-                      expand * d_model // m_heads, m_head)  # fmt: skip
     shared = f.int("shared_intermediate_size", 1024)
     moe = {}
     if experts:
@@ -319,19 +322,13 @@ def granite_config(data: dict[str, Any], file: str) -> MambaConfig:
                    moe_width=f.int("intermediate_size", 11008), moe_shared_width=shared)  # fmt: skip
     return build_config(
         file, version=2, family="granitemoehybrid", d_model=d_model, n_layers=len(kinds),
-        layer_kinds=tuple(kinds), vocab_size=f.int("vocab_size", 32000), d_state=f.int("mamba_d_state", 256),
-        d_conv=f.int("mamba_d_conv", 4), expand=expand, head_dim=m_head, n_groups=f.int("mamba_n_groups", 1),
-        chunk_size=f.int("mamba_chunk_size", 256), conv_bias=f.bool("mamba_conv_bias", True),
-        proj_bias=f.bool("mamba_proj_bias", False), rms_eps=f.float("rms_norm_eps", 1e-6),
-        tie_embeddings=f.bool("tie_word_embeddings", False), activation=_activation(f, "hidden_act", "silu"),
-        time_step_limit=f.float_pair("time_step_limit", (0.0, math.inf)), attn_heads=heads,
-        attn_kv_heads=kv, attn_head_dim=head_dim, attn_bias=f.bool("attention_bias", False),
-        attn_out_bias=f.bool("attention_bias", False), attn_scale=f.float("attention_multiplier", 1.0),
+        layer_kinds=tuple(kinds), vocab_size=f.int("vocab_size", 32000),
+        tie_embeddings=f.bool("tie_word_embeddings", False), **_mamba2_fields(f, d_model, 1e-6),
+        **_attention_fields(f, d_model, None), attn_scale=f.float("attention_multiplier", 1.0),
         rope_theta=theta if rope else 0.0, mlp_width=shared,
         mlp_activation=_mlp_activation(f, "hidden_act", "silu"), mlp_gated=True,
         embedding_multiplier=f.float("embedding_multiplier", 1.0),
-        logits_scaling=f.float("logits_scaling", 1.0),
-        **moe,
+        logits_scaling=f.float("logits_scaling", 1.0), **moe,
     )  # fmt: skip
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from latim_jax.kernels import f32
 from latim_jax.model.layers import linear
 from latim_jax.model.params import ParamModule
 from latim_jax.parallel.context import XLA, Context
@@ -27,24 +26,26 @@ MLP_ACTIVATIONS = {
 }
 
 
+def mlp(x, activation: str, up, down, gate=None, up_b=None, down_b=None, gate_b=None):
+    """act(x W_gate + b) * (x W_up + b) W_down + b, or act(x W_up + b) W_down + b without a gate; fp32."""
+    act = MLP_ACTIVATIONS[activation]
+    u = linear(x, up, up_b)
+    hidden = act(linear(x, gate, gate_b)) * u if gate is not None else act(u)
+    return linear(hidden, down, down_b)
+
+
 class MLPMixer(ParamModule):
     """A (gated) two-layer MLP applied to each position alone."""
 
     kind = "mlp"
     NAMES = ("gate_proj", "gate_b", "up_proj", "up_b", "down_proj", "down_b")
 
-    def hidden(self, x):
-        """The hidden activations (b, l, f) fp32 for the normalised input x (b, l, d)."""
-        act = MLP_ACTIVATIONS[self.config.mlp_activation]
-        up = linear(x, self.up_proj[...], self._get("up_b"))
-        if self.config.mlp_gated:
-            return act(linear(x, self.gate_proj[...], self._get("gate_b"))) * up
-        return act(up)
-
     def __call__(self, x, *, mask=None, ctx: Context = XLA):
         """The sublayer output o (b, l, d) fp32 (``mask`` and ``ctx`` are unused: nothing mixes tokens)."""
         del mask, ctx
-        return linear(self.hidden(x), self.down_proj[...], self._get("down_b")).astype(f32)
+        g = self._get
+        return mlp(x, self.config.mlp_activation, g("up_proj"), g("down_proj"), g("gate_proj"), g("up_b"),
+                   g("down_b"), g("gate_b"))  # fmt: skip
 
     def init_cache(self, batch: int, max_length: int):
         """No state: an MLP remembers nothing between tokens."""

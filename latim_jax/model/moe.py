@@ -21,8 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from latim_jax.kernels import f32
-from latim_jax.model.layers import linear
-from latim_jax.model.mlp import MLP_ACTIVATIONS
+from latim_jax.model.mlp import mlp
 from latim_jax.model.params import ParamModule
 from latim_jax.parallel.context import XLA, Context
 
@@ -61,29 +60,22 @@ class MoEMixer(ParamModule):
             weights = weights * c.moe_scale
         return jnp.sum(jax.nn.one_hot(index, E, dtype=f32) * weights[..., None], axis=-2)
 
-    def _mlp(self, x, gate, up, down, gate_b=None, up_b=None, down_b=None):
-        act = MLP_ACTIVATIONS[self.config.mlp_activation]
-        u = linear(x, up, up_b)
-        hidden = act(linear(x, gate, gate_b)) * u if gate is not None else act(u)
-        return linear(hidden, down, down_b)
-
     def __call__(self, x, *, mask=None, ctx: Context = XLA):
         """The sublayer output o (b, l, d) fp32 for the normalised input x (b, l, d)."""
         del mask, ctx
         weights = self.routing(x)  # (b, l, E)
-        gate = self._get("experts_gate")
+        gate, act = self._get("experts_gate"), self.config.mlp_activation
 
         def expert(acc, e):
             g = None if gate is None else gate[e]
-            y = self._mlp(x, g, self.experts_up[...][e], self.experts_down[...][e])
+            y = mlp(x, act, self.experts_up[...][e], self.experts_down[...][e], g)
             return acc + weights[..., e, None] * y, None
 
         out, _ = jax.lax.scan(expert, jnp.zeros(x.shape, f32), jnp.arange(self.config.moe_experts))
         if self._get("shared_up") is not None:
-            out = out + self._mlp(
-                x, self._get("shared_gate"), self.shared_up[...], self.shared_down[...],
-                self._get("shared_gate_b"), self._get("shared_up_b"), self._get("shared_down_b"),
-            )  # fmt: skip
+            g = self._get
+            out = out + mlp(x, act, g("shared_up"), g("shared_down"), g("shared_gate"), g("shared_up_b"),
+                            g("shared_down_b"), g("shared_gate_b"))  # fmt: skip
         return out
 
     def init_cache(self, batch: int, max_length: int):
