@@ -241,3 +241,21 @@ def test_nemotron_h_experts_are_stacked_in_order(family_dir, tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointError, match=missing.replace(".", r"\.")):
         latim_jax.load(tmp_path)
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "granitemoehybrid"])
+def test_bf16_sharded_hybrid_checkpoints(tmp_path, family):
+    """bf16 weights in several safetensors shards (experts split across files): transformers' bf16
+    logits to bf16 tolerance, and the same weights read as fp32 match the fp32 model to 1e-5."""
+    kw = dict(pattern="M*E-") if family == "nemotron_h" else {}
+    ref = BUILDERS[family](**kw)
+    ref16 = ref.to(torch.bfloat16)
+    ref16.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert any(p.name.endswith(".index.json") for p in tmp_path.iterdir())
+    model = latim_jax.load(tmp_path)
+    assert str(model.embedding[...].dtype) == "bfloat16"
+    tokens = np.random.default_rng(6).integers(0, model.config.n_tokens, (1, 13))
+    logits, _ = reference(ref16, tokens)
+    assert rel_err(model(tokens), logits) < 3e-2
+    logits32, _ = reference(ref16.float(), tokens)
+    assert rel_err(latim_jax.load(tmp_path, dtype="float32")(tokens), logits32) < TOL
