@@ -259,3 +259,20 @@ def test_bf16_sharded_hybrid_checkpoints(tmp_path, family):
     assert rel_err(model(tokens), logits) < 3e-2
     logits32, _ = reference(ref16.float(), tokens)
     assert rel_err(latim_jax.load(tmp_path, dtype="float32")(tokens), logits32) < TOL
+
+
+@pytest.mark.parametrize("name", ["falcon_mamba", "nemotron_h_moe", "bamba", "granitemoehybrid"])
+def test_check_compares_every_family_in_transformers_order(family_dir, name, monkeypatch):
+    """`latim-jax check` passes on each family; read in the wrong hidden-state order it fails."""
+    from latim_jax.cli import check
+
+    path, _ = family_dir(name)
+    report = check.check_model(str(path), length=9)
+    assert check.verdict(report, 1e-4)["passed"], report
+    family = VARIANTS[name][0]
+    wrong = {"falcon_mamba": 1}.get(family, None)
+    if wrong is None:  # a hybrid read as a Mamba model (hidden states offset by one sublayer)
+        monkeypatch.delitem(check.HYBRID_STRIDE, family)
+    else:  # a Mamba model read as a hybrid
+        monkeypatch.setitem(check.HYBRID_STRIDE, family, wrong)
+    assert not check.verdict(check.check_model(str(path), length=9), 1e-4)["passed"]
