@@ -16,25 +16,29 @@ from latim_jax.model.lm import block_forward
 from latim_jax.parallel.context import XLA, Context
 
 
-def logits_from_layer(model, h, layer: int, mask, ctx: Context = XLA):
-    """Run layers ``layer..`` and the head on the residual stream h (b, l, d) -> logits (b, l, v)."""
+def target_logits(model, h, layer: int, rows, targets, mask, ctx: Context = XLA):
+    """Run layers ``layer..`` on the residual stream h (b, l, d) and return only the asked rows' target
+    logits (b, r): logit_{i, w_i} = final_hidden(h_i) . E[w_i] / logits_scaling, the head's own
+    rounding (the weight dtype, fp32 accumulation) on r rows instead of the (b, l, v) logits."""
     for block in model.layers[layer:]:
         h = block_forward(block, h, mask, ctx=ctx)
-    return model.head(h)
+    w = model.unembedding
+    final = model.final_hidden(h[:, rows]).astype(w.dtype)  # (b, r, d)
+    rows_w = jnp.take(w, targets[:, rows], axis=0)  # (b, r, d)
+    return jnp.einsum("brd,brd->br", final, rows_w, preferred_element_type=f32) / model.config.logits_scaling
 
 
 def grad_input_scores(model, h, layer: int, rows, targets, mask, ctx: Context = XLA):
     """Gradient x input scores (b, len(rows), l) of ``layer`` for rows with vocabulary targets (b, l);
-    causal and padding pairs are zeroed by :func:`latim_jax.latim.scores.finish_scores`."""
-    _, vjp = jax.vjp(lambda x: logits_from_layer(model, x, layer, mask, ctx), h.astype(f32))
-    b, length = h.shape[:2]
-    vocab = model.config.n_tokens
+    causal and padding pairs are zeroed by :func:`latim_jax.latim.scores.finish_scores`. One
+    linearisation of the gathered target logits, then one backward pass per row whose cotangent is a
+    one-hot over the r rows (not over (l, v) logits: the head's backward is O(r d) per row)."""
+    h = h.astype(f32)
+    _, vjp = jax.vjp(lambda x: target_logits(model, x, layer, rows, targets, mask, ctx), h)
+    b, r = h.shape[0], rows.shape[0]
 
-    def one_row(i):
-        onehot = jax.nn.one_hot(targets[:, i], vocab, dtype=f32)  # (b, v)
-        cot = jnp.zeros((b, length, vocab), f32).at[:, i].set(onehot)
-        (g,) = vjp(cot)
-        gx = g * h
-        return safe_norm(gx, -1)  # (b, l)
+    def one_row(k):
+        (g,) = vjp(jnp.broadcast_to(jax.nn.one_hot(k, r, dtype=f32), (b, r)))
+        return safe_norm(g * h, -1)  # (b, l)
 
-    return finish_scores(jnp.moveaxis(jax.lax.map(one_row, rows), 0, 1), "grad_input", rows, mask)
+    return finish_scores(jnp.moveaxis(jax.lax.map(one_row, jnp.arange(r)), 0, 1), "grad_input", rows, mask)

@@ -179,3 +179,27 @@ def test_token_wise_shortcut_equals_the_tile_loop(hybrid, method):
     got = f.diagonal_scores(method, rows, aux)
     want = blocked_scores(f, method, rows, aux)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_grad_input_of_a_row_subset_matches_the_jacobian():
+    """grad_input differentiates only the asked rows' target logits (with the logit scaling): equal to
+    jax.grad of the full model's logit, row by row."""
+    import dataclasses
+
+    config = dataclasses.replace(CONFIG, logits_scaling=3.0, embedding_multiplier=2.0)
+    model = latim_jax.MambaLM(config, init_params(config, 3))
+    tokens = _tokens(1, 12)
+    targets = np.random.default_rng(1).integers(0, config.n_tokens, (1, 12))
+    res = latim_jax.attribute(model, tokens, method="grad_input", layers=[3], rows=[4, -1], target=targets)
+    h = model.forward(tokens).residuals[3]
+
+    def logit(x, i):
+        mask = jnp.ones(x.shape[:2], bool)
+        for block in model.layers[3:]:
+            x = block(x, mask=mask)
+        return model.head(x)[0, i, targets[0, i]]
+
+    for k, i in enumerate((4, 11)):
+        g = jax.grad(logit)(h, i)
+        want = np.linalg.norm(np.asarray(g * h)[0], axis=-1)
+        assert rel_err(res.scores[0, 0, k], want) < 1e-4
