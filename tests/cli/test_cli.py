@@ -150,3 +150,22 @@ def test_quiet_flag_turns_progress_off_for_the_command(here, monkeypatch):
     monkeypatch.setattr(progress, "set_quiet", lambda q=True: (seen.append(q), real(q)))
     assert main(["info", "without", "--quiet"]) == 0
     assert seen[0] is True and not progress.is_quiet()  # on for the command, reset after
+
+
+def test_a_hybrid_names_each_panel_and_layer_kind(tmp_path, monkeypatch, capsys):
+    """The shipped hybrid through the CLI: the PNG panels and the HTML page name each sublayer's kind,
+    info lists the sublayers, and the saved scores record the kinds."""
+    monkeypatch.chdir(tmp_path)
+    drawn = []
+    monkeypatch.setattr(plotting, "save_figure", lambda fig, path: drawn.append(fig))
+    argv = ["attribute", "--model", "needle-hybrid", "--text", "w1 K3 V7 w2 w5 K3", "--method", "logit"]
+    assert main(argv + ["--out", "h.npz", "--plot", "h.png", "--html", "h.html"]) == 0
+    titles = ["layer 0 (Mamba-2)", "layer 1 (attention)", "layer 2 (Mamba-2)"]
+    assert [ax.get_title() for ax in drawn[0].panels] == titles
+    page = (tmp_path / "h.html").read_text()
+    assert all(t in page for t in titles)
+    assert latim_jax.Attribution.load("h.npz").layer_kinds == ("mamba2", "attention", "mamba2")
+    assert main(["info", "needle-hybrid"]) == 0
+    out = capsys.readouterr().out
+    assert "layers: 2 x [RMSNorm, Mamba-2] (layers 0, 2)" in out
+    assert "layers: 1 x [RMSNorm, attention] (layers 1)" in out
