@@ -60,8 +60,10 @@ def main(argv=None) -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=50280)
     args = parser.parse_args(argv)
-    config = latim_jax.MambaConfig(version=2, d_model=args.d_model, n_layers=args.layers, vocab_size=args.vocab,
-                                   d_state=64, head_dim=64, chunk_size=128)  # fmt: skip
+    config = latim_jax.MambaConfig(
+        version=2, d_model=args.d_model, n_layers=args.layers, vocab_size=args.vocab, d_state=64, head_dim=64,
+        chunk_size=128,
+    )  # fmt: skip
     model = latim_jax.MambaLM(config, init_params(config, 0))
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, args.vocab, (1, args.length)))
