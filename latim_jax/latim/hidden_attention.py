@@ -101,9 +101,10 @@ def _empty_range(ssm: SSM):
     return jnp.full((b,), jnp.inf, f32), jnp.full((b,), -jnp.inf, f32)
 
 
-def hidden_attention_range(ssm: SSM, mask, blocks: Blocks):
+def hidden_attention_range(ssm: SSM, mask, blocks: Blocks, rows=None):
     """(min, max) (b,) of M without D over every channel and every causal pair of real positions: the
-    one block loop over all rows, keeping a running min and max."""
+    one block loop over all rows, keeping a running min and max. ``rows``: only those target rows (a
+    device's share on a mesh; the shares' min and max then combine into the whole range)."""
     length = ssm.length
     full = tiles(ssm.version, length, None, dataclasses.replace(blocks, rows=None, cols=None))  # square
     valid = jnp.pad(mask, ((0, 0), (0, full.rows + full.cols)))
@@ -114,7 +115,8 @@ def hidden_attention_range(ssm: SSM, mask, blocks: Blocks):
     def widen(acc, part, _):
         return jnp.minimum(acc[0], part[0]), jnp.maximum(acc[1], part[1])
 
-    _, (lo, hi) = blocked(tile, jnp.arange(length), length, full, init=_empty_range(ssm), combine=widen)
+    rows = jnp.arange(length) if rows is None else rows
+    _, (lo, hi) = blocked(tile, rows, length, full, init=_empty_range(ssm), combine=widen)
     return lo, hi
 
 

@@ -31,7 +31,12 @@ from latim_jax.kernels import f32, fused_scores
 from latim_jax.kernels.block_sizes import Blocks
 from latim_jax.kernels.fused_scores_tiles import alti_gain_signed
 from latim_jax.latim.blocking import blocked, row_tiles
-from latim_jax.latim.hidden_attention import AGGREGATIONS, DEFAULT_AGGREGATION, hidden_attention_scores
+from latim_jax.latim.hidden_attention import (
+    AGGREGATIONS,
+    DEFAULT_AGGREGATION,
+    hidden_attention_range,
+    hidden_attention_scores,
+)
 from latim_jax.latim.kinds import has_ssm, project
 from latim_jax.parallel.context import XLA, Context
 from latim_jax.parallel.mesh import DATA, MODEL, P
@@ -142,7 +147,10 @@ def layer_scores(
 def _split_layer_scores(f, method, rows, mask, blocks, aux, ctx: Context, aggregation, precision):
     """:func:`layer_scores` inside ``jax.shard_map``: prompts over "data", target rows over "model"
     (rows padded to a multiple of the axis by repeating the last one). Each device holds the whole
-    layer's factors for its prompts: rows are independent given them."""
+    layer's factors for its prompts: rows are independent given them. The minmax hidden attention's
+    range spans every row: each device takes the range over its share of all rows, the shares combine
+    by a min and a max over "model", and each device's asked rows (the plain channel mean) are rescaled
+    by it: the whole range computed once across the mesh, not once per device."""
     b, r = f.h.shape[0], rows.shape[0]
     m = ctx.axis_size(MODEL)
     data = ctx.axis(DATA) if b % ctx.axis_size(DATA) == 0 else None
@@ -154,7 +162,19 @@ def _split_layer_scores(f, method, rows, mask, blocks, aux, ctx: Context, aggreg
     if has_ssm(f):
         specs = dataclasses.replace(specs, a=P(None, data), ssm=dataclasses.replace(specs.ssm, A=P(), D=P()))
 
+    split_range = method == "hidden_attention" and aggregation == "minmax" and has_ssm(f)
+    all_rows = row_tiles(jnp.arange(f.length), m).reshape(m, -1)  # each device's share of every row
+
     def scores(f, rows, aux, mask):
+        if split_range:
+            share = all_rows[jax.lax.axis_index(ctx.axis(MODEL))] if m > 1 else all_rows[0]
+            lo, hi = hidden_attention_range(f.ssm, mask, f.tiles(rows.shape[0], blocks), share)
+            if m > 1:
+                lo, hi = jax.lax.pmin(lo, ctx.axis(MODEL)), jax.lax.pmax(hi, ctx.axis(MODEL))
+            s = layer_scores(f, method, rows, mask=mask, ctx=ctx.local(), blocks=blocks, aggregation="signed")
+            span = (hi - lo)[:, None, None]
+            s = jnp.where(span > 0, (s - lo[:, None, None]) / jnp.where(span > 0, span, 1.0), 1.0)
+            return finish_scores(s, method, rows, mask)
         return layer_scores(
             f, method, rows, mask=mask, ctx=ctx.local(), blocks=blocks, aux=aux, aggregation=aggregation,
             precision=precision,
