@@ -25,8 +25,8 @@ from .tensors import find_weight_files, open_tensors
 
 CONFIG_FILE = "config.json"
 # model_type -> the Mamba version of its SSM sublayers (falcon_mamba: Mamba-1 with RMS-normalised dt, B,
-# C; the hybrids' readers live in convert/hybrids.py)
-MODEL_TYPES = {"mamba": 1, "mamba2": 2, "falcon_mamba": 1} | {t: 2 for t in hybrids.READERS}
+# C); the hybrids (None here) have their own readers in convert/hybrids.py
+MODEL_TYPES = {"mamba": 1, "mamba2": 2, "falcon_mamba": 1} | dict.fromkeys(hybrids.READERS)
 WEIGHT_CHOICES = (
     ("model.safetensors.index.json",),
     ("model.safetensors",),

@@ -219,12 +219,12 @@ _BAMBA_IGNORED = GENERIC_IGNORED | {
 
 
 def _attention_fields(f: ConfigFields, d_model: int, kv_default: Any) -> dict[str, Any]:
-    """Bamba's and Granite's attention fields: heads, key/value heads (None: as many as heads), the head
-    dim (``head_dim``, else hidden_size / heads) and the one bias switch of q, k, v and o."""
+    """Bamba's, Granite's and Jamba's attention fields: heads, key/value heads (None: as many as heads),
+    the head dim (``head_dim``, else hidden_size / heads) and the one bias switch of q, k, v and o."""
     heads = f.int("num_attention_heads", 32)
     kv = f.raw("num_key_value_heads", kv_default)
     kv = heads if kv is None else f.int("num_key_value_heads", kv_default)
-    bias = f.bool("attention_bias", False)
+    bias = f.bool("attention_bias", False) if f.has("attention_bias") else False
     return dict(attn_heads=heads, attn_kv_heads=kv, attn_head_dim=_attention_head_dim(f, d_model, heads),
                 attn_bias=bias, attn_out_bias=bias)  # fmt: skip
 
@@ -350,19 +350,86 @@ def fold_output_scale(config: MambaConfig, params: dict, m: float) -> None:
                 layer["mixer"][name] = (np.asarray(w, np.float32) * m).astype(w.dtype)
 
 
-READERS = {"nemotron_h": nemotron_h_config, "bamba": bamba_config, "granitemoehybrid": granite_config}
+_JAMBA_HANDLED = frozenset(
+    {
+        "model_type", "vocab_size", "tie_word_embeddings", "hidden_size", "intermediate_size",
+        "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
+        "rms_norm_eps", "num_experts", "num_local_experts", "num_experts_per_tok", "expert_layer_period",
+        "expert_layer_offset", "attn_layer_period", "attn_layer_offset", "mamba_d_state", "mamba_d_conv",
+        "mamba_expand", "mamba_dt_rank", "mamba_conv_bias", "mamba_proj_bias",
+    }
+)  # fmt: skip
+# no positional encoding anywhere (max_position_embeddings unread); the kernel switches compute the same
+# scan; the router's logits feed only the training loss
+_JAMBA_IGNORED = GENERIC_IGNORED | {
+    "max_position_embeddings", "attention_dropout", "use_mamba_kernels", "use_mambapy",
+    "use_associative_scan", "output_router_logits", "router_aux_loss_coef", "num_logits_to_keep",
+}  # fmt: skip
+
+
+def jamba_config(data: dict[str, Any], file: str) -> MambaConfig:
+    """A :class:`MambaConfig` from transformers' ``JambaConfig``: each layer i is 2i its mixer (attention
+    when i % attn_layer_period == attn_layer_offset, no positional encoding; else Mamba-1 with weighted
+    RMS norms of dt's input, B and C) and 2i + 1 its feed-forward (experts when i % expert_layer_period
+    == expert_layer_offset: a softmax over all experts, the top-k probabilities unrenormalised; else a
+    SwiGLU MLP of the same width)."""
+    f = ConfigFields(data, file=file, handled=_JAMBA_HANDLED, ignored=_JAMBA_IGNORED)
+    n = f.int("num_hidden_layers", 32)
+    periods = {}
+    for name, default in (("attn_layer", (8, 4)), ("expert_layer", (2, 1))):
+        period, offset = f.int(f"{name}_period", default[0]), f.int(f"{name}_offset", default[1])
+        if not 0 <= offset < period:
+            raise f.error(f"{name}_offset", f"not below {name}_period", f"0 <= offset < {period}", offset)
+        periods[name] = (period, offset)
+    experts = f.int("num_experts" if f.has("num_experts") else "num_local_experts", 16)
+    kinds = []
+    for i in range(n):
+        ap, ao = periods["attn_layer"]
+        ep, eo = periods["expert_layer"]
+        kinds += ["attention" if i % ap == ao else "mamba1", "moe" if experts > 1 and i % ep == eo else "mlp"]
+    d_model = f.int("hidden_size", 4096)
+    rank = f.raw("mamba_dt_rank", "auto")
+    rank = math.ceil(d_model / 16) if rank == "auto" else f.int("mamba_dt_rank")
+    width = f.int("intermediate_size", 14336)
+    eps = f.float("rms_norm_eps", 1e-6)
+    moe = {}
+    if "moe" in kinds:
+        moe = dict(moe_experts=experts, moe_top_k=f.int("num_experts_per_tok", 2), moe_width=width,
+                   moe_router="softmax_all")  # fmt: skip
+    attention = _attention_fields(f, d_model, 8)
+    return build_config(
+        file, version=1, family="jamba", d_model=d_model, n_layers=len(kinds), layer_kinds=tuple(kinds),
+        vocab_size=f.int("vocab_size", 65536), tie_embeddings=f.bool("tie_word_embeddings", False),
+        d_state=f.int("mamba_d_state", 16), d_conv=f.int("mamba_d_conv", 4), expand=f.int("mamba_expand", 2),
+        dt_rank=rank, conv_bias=f.bool("mamba_conv_bias", True), proj_bias=f.bool("mamba_proj_bias", False),
+        rms_eps=eps, activation=_activation(f, "hidden_act", "silu"), bcdt_norm=True, bcdt_eps=eps,
+        bcdt_norm_weight=True, **{**attention, "attn_bias": False, "attn_out_bias": False},
+        mlp_width=width, mlp_activation=_mlp_activation(f, "hidden_act", "silu"), mlp_gated=True, **moe,
+    )  # fmt: skip
+
+
+READERS = {
+    "nemotron_h": nemotron_h_config,
+    "bamba": bamba_config,
+    "granitemoehybrid": granite_config,
+    "jamba": jamba_config,
+}
 # after the weights are read: what a family folds into them
 FINISH = {"granitemoehybrid": granite_finish}
 
 
 def prepare_tensors(config: MambaConfig, tensors) -> None:
-    """Present a family's stored tensors in the layout's form, in place (Nemotron-H stores each expert's
-    matrices apart: they are stacked into one (E, out, in) tensor per layer and matrix)."""
-    if config.family != "nemotron_h" or "moe" not in config.kinds:
+    """Present a family's stored tensors in the layout's form, in place (Nemotron-H and Jamba store each
+    expert's matrices apart: they are stacked into one (E, out, in) tensor per layer and matrix)."""
+    if config.family not in ("nemotron_h", "jamba") or "moe" not in config.kinds:
         return
     for k, kind in enumerate(config.kinds):
-        if kind == "moe":
-            for part in ("up_proj", "down_proj"):
-                base = f"backbone.layers.{k}.mixer.experts"
-                names = [f"{base}.{e}.{part}.weight" for e in range(config.moe_experts)]
-                tensors.stack(f"{base}.{part}", names)
+        if kind != "moe":
+            continue
+        if config.family == "nemotron_h":
+            base, parts = f"backbone.layers.{k}.mixer.experts", ("up_proj", "down_proj")
+        else:  # Jamba: sublayer k is the feed-forward of layer k // 2
+            base, parts = f"model.layers.{k // 2}.feed_forward.experts", ("gate_proj", "up_proj", "down_proj")
+        for part in parts:
+            names = [f"{base}.{e}.{part}.weight" for e in range(config.moe_experts)]
+            tensors.stack(f"{base}.{part}", names)

@@ -26,6 +26,9 @@ _MIXER_V1 = {
     "conv_w": ("conv1d.weight", CONV),
     "conv_b": ("conv1d.bias", SAME),
     "x_proj": ("x_proj.weight", LINEAR),
+    "dt_norm_w": ("dt_layernorm.weight", SAME),
+    "B_norm_w": ("b_layernorm.weight", SAME),
+    "C_norm_w": ("c_layernorm.weight", SAME),
     "dt_proj": ("dt_proj.weight", LINEAR),
     "dt_bias": ("dt_proj.bias", SAME),
     "A_log": ("A_log", SAME),
@@ -147,7 +150,17 @@ GRANITE = Naming(
     mixers={**MIXER_NAMES, "mlp": _GRANITE_MLP, "moe": _GRANITE_MOE}, root="model.",
 )  # fmt: skip
 
-NAMINGS = {"bamba": BAMBA, "granitemoehybrid": GRANITE}
+# Jamba: Bamba's layout (mamba. / self_attn. then feed_forward.), Mamba-1 mixers, its experts stacked on
+# reading (convert.hybrids.prepare_tensors)
+_JAMBA_MOE = {
+    "router": ("router.weight", LINEAR),
+    "experts_gate": ("experts.gate_proj", STACKED),
+    "experts_up": ("experts.up_proj", STACKED),
+    "experts_down": ("experts.down_proj", STACKED),
+}
+JAMBA = dataclasses.replace(BAMBA, mixers={**MIXER_NAMES, "moe": _JAMBA_MOE})
+
+NAMINGS = {"bamba": BAMBA, "granitemoehybrid": GRANITE, "jamba": JAMBA}
 
 
 def naming(family: str) -> Naming:

@@ -118,7 +118,28 @@ def granite(
     return _perturb(transformers.GraniteMoeHybridForCausalLM(cfg), seed)
 
 
+def jamba(
+    *, seed=0, vocab=48, d_model=32, n_layers=4, attn=(2, 0), experts=(2, 1), n_experts=4, top_k=2,
+    heads=4, kv_heads=2, d_state=8, proj_bias=False, tied=False,
+):  # fmt: skip
+    """transformers' JambaForCausalLM: Mamba-1 with weighted dt/B/C norms, attention every ``attn`` =
+    (period, offset) layers, experts every ``experts`` layers (a SwiGLU MLP elsewhere)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.JambaConfig(
+        vocab_size=vocab, hidden_size=d_model, num_hidden_layers=n_layers, attn_layer_period=attn[0],
+        attn_layer_offset=attn[1], expert_layer_period=experts[0], expert_layer_offset=experts[1],
+        num_experts=n_experts, num_experts_per_tok=top_k, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, intermediate_size=40, mamba_d_state=d_state, mamba_proj_bias=proj_bias,
+        tie_word_embeddings=tied,
+    )  # fmt: skip
+    return _perturb(transformers.JambaForCausalLM(cfg), seed)
+
+
 BUILDERS = {
+    "jamba": jamba,
     "granitemoehybrid": granite,
     "bamba": bamba,
     "falcon_mamba": falcon_mamba,

@@ -75,7 +75,7 @@ def load(source: str | os.PathLike | None = None, dtype=None) -> MambaLM:
         recall; "align-mamba1", "align-mamba2": translation with gold word alignments;
         "needle-mamba1", "needle-mamba2", "needle-hybrid" (Mamba-2 + attention): needle retrieval), a
         local directory (absolute or relative to the current directory) in Hugging Face (Mamba,
-        Mamba-2, Falcon-Mamba, Nemotron-H, Bamba, Granite-4.0-H), mamba_ssm or Codestral format or
+        Mamba-2, Falcon-Mamba, Nemotron-H, Bamba, Granite-4.0-H, Jamba), mamba_ssm or Codestral format or
         written by ``latim-jax convert``, or a hub id such as "state-spaces/mamba-130m-hf" (needs network
         access). See :func:`resolve`.
       dtype: parameter dtype ("float32", "bfloat16", or a jnp dtype); default: as stored.

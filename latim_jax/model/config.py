@@ -33,7 +33,7 @@ OUTPUT_PARAMS = {
     "mlp": ("down_proj", "down_b"),
     "moe": ("experts_down", "shared_down", "shared_down_b"),
 }
-MOE_ROUTERS = ("softmax_topk", "sigmoid_groups")
+MOE_ROUTERS = ("softmax_topk", "softmax_all", "sigmoid_groups")
 # how plots, tables and the CLI name each kind
 KIND_NAMES = {"mamba1": "Mamba-1", "mamba2": "Mamba-2", "attention": "attention", "mlp": "MLP", "moe": "MoE"}
 
@@ -69,6 +69,7 @@ class MambaConfig:
     # Mamba-1 variants (FalconMamba, Jamba): RMSNorm without weight of dt's low-rank input, B and C
     bcdt_norm: bool = False
     bcdt_eps: float = 1e-6
+    bcdt_norm_weight: bool = False  # Jamba: those norms carry weights (dt_norm_w, B_norm_w, C_norm_w)
     # hybrids: one kind per sublayer (empty: every sublayer is the Mamba mixer of `version`)
     layer_kinds: tuple[str, ...] = ()
     family: str = ""  # the checkpoint family it was read from ("nemotron_h", ...), for display
@@ -318,6 +319,8 @@ def param_shapes(config: MambaConfig) -> dict[str, Any]:
             "D": (e,),
             "out_proj": (e, d),
         }
+        if c.bcdt_norm and c.bcdt_norm_weight:
+            mixer.update(dt_norm_w=(c.dt_rank,), B_norm_w=(n,), C_norm_w=(n,))
         in_width = 2 * e
     else:
         h = c.n_heads

@@ -32,6 +32,9 @@ _PARAM_NAMES = (
     "conv_w",
     "conv_b",
     "x_proj",
+    "dt_norm_w",
+    "B_norm_w",
+    "C_norm_w",
     "dt_proj",
     "dt_bias",
     "A_log",
@@ -142,8 +145,12 @@ class Mamba1Mixer(_Mixer):
         c = self.config
         dbc = linear(v, self.x_proj[...])
         dt_low, B, C = jnp.split(dbc, [c.dt_rank, c.dt_rank + c.d_state], axis=-1)
-        if c.bcdt_norm:  # FalconMamba / Jamba: RMS-normalise dt's input, B and C (per token, no weight)
-            dt_low, B, C = (_unit_rms(t, c.bcdt_eps, self.x_proj[...].dtype) for t in (dt_low, B, C))
+        if c.bcdt_norm:  # FalconMamba (no weight) / Jamba (weighted): RMS-normalise dt's input, B and C
+            dtype = self.x_proj[...].dtype
+            weights = (self._get("dt_norm_w"), self._get("B_norm_w"), self._get("C_norm_w"))
+            dt_low, B, C = (
+                _unit_rms(t, c.bcdt_eps, dtype, w) for t, w in zip((dt_low, B, C), weights, strict=True)
+            )
         pre = linear(dt_low, self.dt_proj[...]) + self.dt_bias[...].astype(f32)
         delta = jax.nn.softplus(jnp.where(mask[..., None], pre, -jnp.inf))
         return delta, B, C
@@ -279,7 +286,8 @@ def _skip_padding(delta, mask):
     return delta * mask[..., None].astype(delta.dtype)
 
 
-def _unit_rms(x, eps, dtype):
-    """x / rms(x) over the last axis (RMSNorm without weight), rounded to ``dtype`` as the reference
-    returns it in the input's dtype, in fp32."""
-    return rms_norm(x, jnp.ones((), f32), eps).astype(dtype).astype(f32)
+def _unit_rms(x, eps, dtype, weight=None):
+    """x / rms(x) over the last axis, rounded to ``dtype`` as the reference returns it in the input's
+    dtype, then times ``weight`` when there is one (Jamba applies it after the cast), in fp32."""
+    y = rms_norm(x, jnp.ones((), f32), eps).astype(dtype).astype(f32)
+    return y if weight is None else y * weight.astype(f32)

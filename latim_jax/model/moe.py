@@ -4,6 +4,7 @@ expert's width).
 
     router logits r = xhat W_router (fp32)
     "softmax_topk" (Granite):   the k largest r, weights softmax over those k
+    "softmax_all" (Jamba):      softmax over all E, the k largest probabilities as they are
     "sigmoid_groups" (Nemotron-H): s = sigmoid(r); choice by s + b_corr within the ``moe_topk_groups``
                                 groups (of E / moe_groups) whose two best sum highest; weights s of the
                                 chosen, / their sum (+1e-20) when moe_norm_topk, times moe_scale
@@ -45,6 +46,8 @@ class MoEMixer(ParamModule):
         if c.moe_router == "softmax_topk":
             values, index = jax.lax.top_k(logits, k)
             weights = jax.nn.softmax(values, axis=-1)
+        elif c.moe_router == "softmax_all":
+            weights, index = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
         else:
             scores = jax.nn.sigmoid(logits)
             choice = scores + self.router_bias[...].astype(f32)

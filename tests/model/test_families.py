@@ -12,6 +12,7 @@ from conftest import rel_err
 from families import BUILDERS
 
 import latim_jax
+from latim_jax.cli.check import HYBRID_STRIDE
 from latim_jax.model.config import param_shapes
 from latim_jax.model.generate import generate, prefill
 from latim_jax.model.lm import MambaLM
@@ -44,6 +45,12 @@ VARIANTS = {
         "granitemoehybrid",
         dict(experts=0, rope=False, tied=False, layer_types=("attention", "mamba", "mamba")),
     ),
+    "jamba": ("jamba", {}),
+    # attention at layers 1 and 4, experts at 0 and 3 (top 3 of 4), tied, biased projections, MHA
+    "jamba_tied_bias": (
+        "jamba",
+        dict(n_layers=5, attn=(3, 1), experts=(3, 0), top_k=3, tied=True, proj_bias=True, kv_heads=4),
+    ),
     "bamba": ("bamba", {}),
     # attention first and last, biases everywhere, tied, the whole head rotated, one group
     "bamba_bias_tied": (
@@ -60,8 +67,6 @@ VARIANTS = {
         ),
     ),  # fmt: skip
 }
-# sublayers per transformers layer (Bamba: the mixer, then the MLP)
-STRIDE = {"bamba": 2, "granitemoehybrid": 2}
 
 
 @pytest.fixture(scope="module")
@@ -100,15 +105,16 @@ def test_logits_and_streams_match_transformers(family_dir, name):
         assert rel_err(out.logits, logits) < TOL, (name, length)
         # transformers' hidden_states: the Mamba models' start after layer 0 (no embeddings), the
         # hybrids' with the embeddings, one per transformers layer; all end with the final norm's output
-        stride = STRIDE.get(model.config.family, 1)
-        skip = 1 if model.config.version == 1 else 0
+        stride = HYBRID_STRIDE.get(model.config.family)
+        skip, stride = (1, 1) if stride is None else (0, stride)
         for i in range(len(hidden) - 1):
             assert rel_err(out.residuals[(i + skip) * stride], hidden[i]) < TOL, (name, length, i)
         assert rel_err(model.final_hidden(out.residuals[-1]), hidden[-1]) < TOL
 
 
 @pytest.mark.parametrize(
-    "name", ["nemotron_h_moe", "nemotron_h_mha", "falcon_mamba", "bamba_bias_tied", "granitemoehybrid"]
+    "name",
+    ["nemotron_h_moe", "nemotron_h_mha", "falcon_mamba", "bamba_bias_tied", "granitemoehybrid", "jamba"],
 )
 def test_padded_batch_equals_each_prompt_alone_and_transformers(family_dir, name):
     path, ref = family_dir(name)
@@ -125,7 +131,7 @@ def test_padded_batch_equals_each_prompt_alone_and_transformers(family_dir, name
     assert rel_err(logits[1, 6:], want[0]) < TOL  # an in_proj bias at pad positions into the conv window)
 
 
-@pytest.mark.parametrize("name", ["nemotron_h_moe", "falcon_mamba", "bamba", "granitemoehybrid"])
+@pytest.mark.parametrize("name", ["nemotron_h_moe", "falcon_mamba", "bamba", "granitemoehybrid", "jamba"])
 def test_generation_equals_the_full_forward(family_dir, name):
     path, _ = family_dir(name)
     model = latim_jax.load(path)
@@ -168,6 +174,9 @@ def _without(model, **changes):
         ("nemotron_h_moe", dict(moe_scale=1.0)),  # routed_scaling_factor dropped
         ("nemotron_h_moe", dict(moe_norm_topk=False)),
         ("nemotron_h_moe", dict(moe_groups=1)),  # group-limited choice dropped
+        ("jamba", dict(bcdt_norm_weight=False)),  # the dt / B / C norms' weights dropped
+        ("jamba", dict(bcdt_norm=False)),  # no dt / B / C norms
+        ("jamba", dict(moe_router="softmax_topk")),  # the top-k renormalised
     ],
 )
 def test_parity_fails_without_a_family_feature(family_dir, name, changes):
@@ -261,7 +270,7 @@ def test_bf16_sharded_hybrid_checkpoints(tmp_path, family):
     assert rel_err(latim_jax.load(tmp_path, dtype="float32")(tokens), logits32) < TOL
 
 
-@pytest.mark.parametrize("name", ["falcon_mamba", "nemotron_h_moe", "bamba", "granitemoehybrid"])
+@pytest.mark.parametrize("name", ["falcon_mamba", "nemotron_h_moe", "bamba", "granitemoehybrid", "jamba"])
 def test_check_compares_every_family_in_transformers_order(family_dir, name, monkeypatch):
     """`latim-jax check` passes on each family; read in the wrong hidden-state order it fails."""
     from latim_jax.cli import check
