@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from latim_jax.kernels.block_sizes import Blocks
+from latim_jax.latim.attribution import attribute
 from latim_jax.model.config import KIND_NAMES, OUTPUT_PARAMS
 from latim_jax.model.lm import MambaLM
 from latim_jax.tasks import needle, registry
@@ -36,8 +37,6 @@ def ablate(model, kinds=("attention",)) -> MambaLM:
 
 
 def _maps(model, batch, rows, method, batch_size):
-    from latim_jax.latim.attribution import attribute
-
     parts = []
     for s in range(0, batch.tokens.shape[0], batch_size):
         res = attribute(
