@@ -31,14 +31,14 @@ def test_every_layer_kind_has_a_module_and_a_decomposition():
 
 
 def test_an_unknown_kind_is_refused_by_name():
-    class Experts:
-        kind = "moe"
+    class DeltaNet:
+        kind = "gated_deltanet"
 
     h, mask = jnp.zeros((1, 3, 8)), jnp.ones((1, 3), bool)
     with pytest.raises(
-        ValueError, match=r"no decomposition for layer kind 'moe'; known kinds: \['attention'"
+        ValueError, match=r"no decomposition for layer kind 'gated_deltanet'; known kinds: \['attention'"
     ):
-        factors(Experts(), h, mask)
+        factors(DeltaNet(), h, mask)
 
 
 @pytest.mark.parametrize("version", [1, 2])
