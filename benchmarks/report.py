@@ -43,6 +43,10 @@ python benchmarks/bench_precision.py
 python benchmarks/one_layer_time.py 2 4096
 # the gradient's time and memory against the forward
 python benchmarks/bench_gradients.py --lengths 256 1024 4096
+# a Nemotron-H-shaped hybrid beside Mamba-2 (last row at 4096, full map at 1024; ~12 min)
+python benchmarks/bench_hybrid.py
+# grad_input before / after the gathered target logits (one process, values compared)
+python benchmarks/bench_grad_input.py
 # this file
 python benchmarks/report.py
 # the PyTorch baseline equals latim-jax (every method, both modes, both versions)
@@ -55,6 +59,8 @@ python benchmarks/gpu_check.py
 
 # the newest run of each measurement, in the order BENCHMARKS.md shows them
 CURRENT = (
+    "hybrid",  # a Nemotron-H-shaped hybrid beside plain Mamba-2 of the same width (issue 25)
+    "grad_input",  # grad_input through the gathered target logits against the whole-logits VJP (issue 26)
     "ab_redesign",  # the redesign (issue 24) against the code before it, same workloads, one job
     "vs_torch_model_512",  # the whole 24-layer 130m model at L = 512 against the fair PyTorch
     "vs_torch_methods_512_amx",  # one layer, every method, fair and plain PyTorch
