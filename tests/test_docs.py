@@ -72,6 +72,15 @@ def test_readme_headline_numbers_are_the_result_files():
     assert want in readme, want
     copy = json.loads((results / "copy_eval_mamba2.json").read_text())
     assert f"Mamba-2 LaTIM l2 {copy['rows']['LaTIM l2 (exact)']['best']['auc']:.3f}" in readme
+    hybrid = json.loads((results / "hybrid_needle.json").read_text())
+    single = [e for e in hybrid["results"] if e["setting"] == "single"]
+    full, removed = (
+        " / ".join(f"{e['models'][v]['accuracy']:.3f}" for e in single) for v in ("full", "attention removed")
+    )
+    push = [[layer["gold_logit"] for layer in e["models"]["full"]["layers"][:2]] for e in single]
+    share = [f"{100 * a / (s + a):.0f}%" for s, a in push]
+    assert f"({share[0]} of the push at 512, {share[-1]} at 8192)" in readme, share
+    assert f"one-needle accuracy {full}, without attention {removed}" in readme
 
 
 MISSING_DOC = "latim" + "-math.md"  # split so that this file does not cite it
