@@ -281,6 +281,7 @@ def write_shard(out_dir, process: int, number: int, prompts: list[Prompt], resul
         "model": result.model,
         "precision": result.precision,
         "n_layers": result.n_layers,
+        "layer_kinds": None if result.layer_kinds is None else list(result.layer_kinds),
     }
     arrays = {}
     scores = np.asarray(result.scores)
@@ -382,6 +383,7 @@ class Results(Mapping):
                 aggregation=index["aggregation"],
                 precision=index.get("precision", "float32"),  # shards written before the field: fp32
                 n_layers=index.get("n_layers"),
+                layer_kinds=None if index.get("layer_kinds") is None else tuple(index["layer_kinds"]),
             )
 
     def __iter__(self) -> Iterator[str]:

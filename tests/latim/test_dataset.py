@@ -210,3 +210,18 @@ def test_an_interrupted_run_warns_and_reads_in_input_order(ckpt, tmp_path):
     assert list(results) == ["p1", "p2", "p3"] and results.missing == ["p0"] and not results.complete
     counts = attribute_dataset(model, prompts, out, method="l2", batch_size=1, progress=False)
     assert counts["computed"] == 1 and open_results(out).complete
+
+
+def test_a_hybrid_dataset_run_records_each_layer_kind(tmp_path):
+    """A hybrid's dataset results read back with their layer kinds and equal direct attribution."""
+    from latim_jax.latim.dataset import attribute_dataset
+
+    model = latim_jax.load("needle-hybrid")
+    prompts = read_prompts(write_lines(tmp_path / "p.txt", ["1 2 3 4", "5 6 7"]), vocab_size=65,
+                           tokenize=lambda t: [int(w) for w in t.split()])  # fmt: skip
+    attribute_dataset(model, prompts, tmp_path / "run", method="alti", progress=False)
+    results = open_results(tmp_path / "run")
+    got = results[prompts[0].id]
+    assert got.layer_kinds == ("mamba2", "attention", "mamba2")
+    want = latim_jax.attribute(model, [[1, 2, 3, 4]], method="alti")
+    np.testing.assert_allclose(got.scores, want.scores, rtol=1e-5, atol=1e-6)
