@@ -34,7 +34,21 @@ def mlp(x, activation: str, up, down, gate=None, up_b=None, down_b=None, gate_b=
     return linear(hidden, down, down_b)
 
 
-class MLPMixer(ParamModule):
+class TokenwiseModule(ParamModule):
+    """A sublayer applied to each position alone: generation keeps no state for it."""
+
+    def init_cache(self, batch: int, max_length: int):
+        """No state: the sublayer remembers nothing between tokens."""
+        del batch, max_length
+        return ()
+
+    def step(self, x_t, cache, valid):
+        """One token x_t (b, d) -> (o_t (b, d), cache)."""
+        del valid
+        return self(x_t[:, None])[:, 0], cache
+
+
+class MLPMixer(TokenwiseModule):
     """A (gated) two-layer MLP applied to each position alone."""
 
     kind = "mlp"
@@ -46,13 +60,3 @@ class MLPMixer(ParamModule):
         g = self._get
         return mlp(x, self.config.mlp_activation, g("up_proj"), g("down_proj"), g("gate_proj"), g("up_b"),
                    g("down_b"), g("gate_b"))  # fmt: skip
-
-    def init_cache(self, batch: int, max_length: int):
-        """No state: an MLP remembers nothing between tokens."""
-        del batch, max_length
-        return ()
-
-    def step(self, x_t, cache, valid):
-        """One token x_t (b, d) -> (o_t (b, d), cache)."""
-        del valid
-        return self(x_t[:, None])[:, 0], cache

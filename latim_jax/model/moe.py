@@ -22,14 +22,13 @@ import jax
 import jax.numpy as jnp
 
 from latim_jax.kernels import f32
-from latim_jax.model.mlp import mlp
-from latim_jax.model.params import ParamModule
+from latim_jax.model.mlp import TokenwiseModule, mlp
 from latim_jax.parallel.context import XLA, Context
 
 ROUTERS = ("softmax_topk", "sigmoid_groups")
 
 
-class MoEMixer(ParamModule):
+class MoEMixer(TokenwiseModule):
     """Routed experts plus an optional shared expert, applied to each position alone."""
 
     kind = "moe"
@@ -80,13 +79,3 @@ class MoEMixer(ParamModule):
             out = out + mlp(x, act, g("shared_up"), g("shared_down"), g("shared_gate"), g("shared_up_b"),
                             g("shared_down_b"), g("shared_gate_b"))  # fmt: skip
         return out
-
-    def init_cache(self, batch: int, max_length: int):
-        """No state: experts remember nothing between tokens."""
-        del batch, max_length
-        return ()
-
-    def step(self, x_t, cache, valid):
-        """One token x_t (b, d) -> (o_t (b, d), cache)."""
-        del valid
-        return self(x_t[:, None])[:, 0], cache
