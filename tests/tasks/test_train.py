@@ -138,10 +138,15 @@ def test_weight_decay_skips_ssm_parameters():
 
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.json")), ids=lambda p: p.name)
 def test_shipped_configs_parse(path):
-    # names: TASK-mambaV[-VARIANT], VARIANT an activation (relu, identity) or the init ("default")
+    # names: TASK-mambaV[-VARIANT] or TASK-hybrid[-VARIANT] (Mamba-2 sublayers with attention), VARIANT
+    # an activation (relu, identity), the init ("default") or a curriculum stage
     tc = tr.TrainConfig.from_json(path)
     task, version, *variant = path.stem.split("-")
-    assert tc.task["name"] == task and tc.model.version == int(version[-1])
+    assert tc.task["name"] == task
+    if version == "hybrid":
+        assert tc.model.version == 2 and "attention" in tc.model.kinds
+    else:
+        assert tc.model.version == int(version[-1]) and not tc.model.is_hybrid
     assert tc.model.vocab_size >= tc.task["vocab_size"]
     variant = variant[0] if variant else None
     assert tc.model.activation == (variant if variant in ("relu", "identity") else "silu")
