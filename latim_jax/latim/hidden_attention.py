@@ -70,6 +70,11 @@ def hidden_attention_scores(ssm: SSM, rows, mask, blocks: Blocks, aggregation: s
         if aggregation != "minmax":
             return s
         lo, hi = hidden_attention_range(ssm, mask, blocks)
+    return minmax_normalise(s, lo, hi)
+
+
+def minmax_normalise(s, lo, hi):
+    """(s - m) / (M - m) per prompt for maps s (b, r, l) and the range lo, hi (b,); 1 where M = m."""
     span = (hi - lo)[:, None, None]
     return jnp.where(span > 0, (s - lo[:, None, None]) / jnp.where(span > 0, span, 1.0), 1.0)
 

@@ -36,6 +36,7 @@ from latim_jax.latim.hidden_attention import (
     DEFAULT_AGGREGATION,
     hidden_attention_range,
     hidden_attention_scores,
+    minmax_normalise,
 )
 from latim_jax.latim.kinds import has_ssm, project
 from latim_jax.parallel.context import XLA, Context
@@ -172,9 +173,7 @@ def _split_layer_scores(f, method, rows, mask, blocks, aux, ctx: Context, aggreg
             if m > 1:
                 lo, hi = jax.lax.pmin(lo, ctx.axis(MODEL)), jax.lax.pmax(hi, ctx.axis(MODEL))
             s = layer_scores(f, method, rows, mask=mask, ctx=ctx.local(), blocks=blocks, aggregation="signed")
-            span = (hi - lo)[:, None, None]
-            s = jnp.where(span > 0, (s - lo[:, None, None]) / jnp.where(span > 0, span, 1.0), 1.0)
-            return finish_scores(s, method, rows, mask)
+            return finish_scores(minmax_normalise(s, lo, hi), method, rows, mask)
         return layer_scores(
             f, method, rows, mask=mask, ctx=ctx.local(), blocks=blocks, aux=aux, aggregation=aggregation,
             precision=precision,

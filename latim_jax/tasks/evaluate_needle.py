@@ -27,6 +27,14 @@ def setting_task(task: dict, length: int, needles: int, queries: int) -> dict:
     return needle.check_task({**new, "num_queries": queries})
 
 
+def held_out(task: dict, length: int, needles: int, queries: int, n_sequences: int, seed: int):
+    """(the setting's task, its held-out batch, its query rows): the sequences every evaluation of a
+    setting draws (the same for the same seed, length and needle count)."""
+    t = setting_task(task, length, needles, queries)
+    batch = needle.make_batch(t, n_sequences, np.random.default_rng([seed, length, needles]))
+    return t, batch, needle.query_rows(t)
+
+
 def retrieval_accuracy(model, batch, rows, chunk: int = 8) -> float:
     """Fraction of query rows whose greedy prediction is the needle's value."""
     ok = []
@@ -76,9 +84,7 @@ def evaluate_needle(
     results = []
     for length in lengths:
         for sname, (needles, queries) in settings.items():
-            t = setting_task(task, length, needles, queries)
-            batch = needle.make_batch(t, n_sequences, np.random.default_rng([seed, length, needles]))
-            rows = needle.query_rows(t)
+            _, batch, rows = held_out(task, length, needles, queries, n_sequences, seed)
             entry = {
                 "length": length,
                 "setting": sname,

@@ -18,8 +18,8 @@ from latim_jax.kernels.block_sizes import Blocks
 from latim_jax.latim.attribution import attribute
 from latim_jax.model.config import KIND_NAMES, OUTPUT_PARAMS
 from latim_jax.model.lm import MambaLM
-from latim_jax.tasks import needle, registry
-from latim_jax.tasks.evaluate_needle import LENGTHS, SETTINGS, _gold, _score, retrieval_accuracy, setting_task
+from latim_jax.tasks import registry
+from latim_jax.tasks.evaluate_needle import LENGTHS, SETTINGS, _gold, _score, held_out, retrieval_accuracy
 
 
 def ablate(model, kinds=("attention",)) -> MambaLM:
@@ -59,9 +59,7 @@ def where_retrieved(
     results = []
     for length in lengths:
         for sname, (needles, queries) in settings.items():
-            t = setting_task(task, length, needles, queries)
-            batch = needle.make_batch(t, n_sequences, np.random.default_rng([seed, length, needles]))
-            rows = needle.query_rows(t)
+            _, batch, rows = held_out(task, length, needles, queries, n_sequences, seed)
             gold = _gold(batch, rows, "value")
             entry = {"length": length, "setting": sname, "needles": needles, "queries": queries, "models": {}}
             for vname, m in variants.items():
