@@ -408,14 +408,144 @@ def jamba_config(data: dict[str, Any], file: str) -> MambaConfig:
     )  # fmt: skip
 
 
+_FALCON_H1_HANDLED = frozenset(
+    {
+        "model_type", "vocab_size", "tie_word_embeddings", "hidden_size", "intermediate_size",
+        "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
+        "rms_norm_eps", "mamba_d_ssm", "mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state",
+        "mamba_d_conv", "mamba_expand", "mamba_chunk_size", "mamba_conv_bias", "mamba_proj_bias",
+        "mamba_norm_before_gate", "mamba_rms_norm", "time_step_limit", "projectors_bias", "attention_bias",
+        "mlp_bias", "rope_parameters", "rope_theta", "rope_scaling", "lm_head_multiplier",
+        "embedding_multiplier", "mlp_multipliers", "key_multiplier", "attention_out_multiplier",
+        "attention_in_multiplier", "ssm_multipliers", "ssm_in_multiplier", "ssm_out_multiplier",
+        "layers_block_type", "layer_types",
+    }
+)  # fmt: skip
+# rotary positions past max_position_embeddings are computed like any other (default rotary type)
+_FALCON_H1_IGNORED = GENERIC_IGNORED | {"max_position_embeddings", "attention_dropout", "num_logits_to_keep"}
+# Falcon-H1's multipliers: folded into the weights on reading (:func:`falcon_h1_finish`); the embedding's
+# and the head's become config fields
+_FALCON_H1_SCALARS = (
+    "key_multiplier", "attention_out_multiplier", "attention_in_multiplier", "ssm_in_multiplier",
+    "ssm_out_multiplier", "lm_head_multiplier", "embedding_multiplier",
+)  # fmt: skip
+
+
+def _multipliers(f: ConfigFields, key: str, n: int) -> list[float]:
+    """A list of n numbers (Falcon-H1's ``mlp_multipliers`` / ``ssm_multipliers``; null: all 1)."""
+    value = f.raw(key, None)
+    if value is None:
+        return [1.0] * n
+    if (
+        not isinstance(value, list)
+        or len(value) != n
+        or not all(isinstance(v, int | float) and not isinstance(v, bool) for v in value)
+    ):
+        raise f.error(key, "wrong value", f"a list of {n} numbers", value)
+    return [float(v) for v in value]
+
+
+def falcon_h1_config(data: dict[str, Any], file: str) -> MambaConfig:
+    """A :class:`MambaConfig` from transformers' ``FalconH1Config``: each layer i is 2i a parallel block
+    (Mamba-2 and attention on the same normalised input, outputs added: GQA, rotary on the whole head;
+    the SSM's width ``mamba_d_ssm``, its output norm per ``mamba_rms_norm`` / ``mamba_norm_before_gate``)
+    and 2i + 1 a SwiGLU MLP. The multipliers are folded into the weights (:func:`falcon_h1_finish`)
+    except the embedding's (``embedding_multiplier``) and the head's (``logits_scaling`` = 1 / it)."""
+    f = ConfigFields(data, file=file, handled=_FALCON_H1_HANDLED, ignored=_FALCON_H1_IGNORED)
+    n = f.int("num_hidden_layers", 32)
+    key = next((k for k in ("layers_block_type", "layer_types") if f.has(k)), None)
+    if key is not None:
+        names = f.raw(key)
+        if names != ["hybrid"] * n:
+            raise f.error(key, "unsupported layer types", f"{n} x 'hybrid' (every layer parallel)", names)
+    d_model = f.int("hidden_size", 4096)
+    expand = f.int("mamba_expand", 2)
+    d_ssm = f.raw("mamba_d_ssm", 1024)
+    inner = expand * d_model if d_ssm is None else f.int("mamba_d_ssm")
+    m_heads = f.int("mamba_n_heads", 128)
+    m_head = f.raw("mamba_d_head", "auto")
+    m_head = inner // m_heads if m_head == "auto" else f.int("mamba_d_head")
+    if m_head * m_heads != inner:
+        raise f.error("mamba_d_head", "mamba_n_heads * mamba_d_head must equal the SSM width (mamba_d_ssm)",
+                      inner // m_heads, m_head)  # fmt: skip
+    for name in _FALCON_H1_SCALARS:
+        f.float(name, 1.0)  # type-checked here, used by falcon_h1_finish
+    _multipliers(f, "mlp_multipliers", 2)
+    _multipliers(f, "ssm_multipliers", 5)
+    head = f.float("lm_head_multiplier", 1.0)
+    if head == 0:
+        raise f.error("lm_head_multiplier", "zero makes every logit 0", "a non-zero number", head)
+    attention = _attention_fields(f, d_model, 8)
+    theta, _ = _rope(f, 10000.0, 1.0)
+    norm = "none"
+    if f.bool("mamba_rms_norm", False):
+        norm = "before_gate" if f.bool("mamba_norm_before_gate", True) else "gated"
+    else:
+        f.bool("mamba_norm_before_gate", True)
+    kinds = ("parallel", "mlp") * n
+    return build_config(
+        file, version=2, family="falcon_h1", d_model=d_model, n_layers=len(kinds), layer_kinds=kinds,
+        vocab_size=f.int("vocab_size", 128000), tie_embeddings=f.bool("tie_word_embeddings", False),
+        d_state=f.int("mamba_d_state", 256), d_conv=f.int("mamba_d_conv", 4), expand=expand, ssm_inner=inner,
+        head_dim=m_head, n_groups=f.int("mamba_n_groups", 1), chunk_size=f.int("mamba_chunk_size", 256),
+        conv_bias=f.bool("mamba_conv_bias", True), proj_bias=f.bool("mamba_proj_bias", False),
+        out_proj_bias=f.bool("projectors_bias", False), ssm_norm=norm,
+        rms_eps=f.float("rms_norm_eps", 1e-5), activation=_activation(f, "hidden_act", "silu"),
+        time_step_limit=f.float_pair("time_step_limit", (0.0, math.inf)),
+        **attention, rope_theta=theta, mlp_width=f.int("intermediate_size", 14336),
+        mlp_activation=_mlp_activation(f, "hidden_act", "silu"), mlp_gated=True,
+        mlp_bias=f.bool("mlp_bias", False), embedding_multiplier=f.float("embedding_multiplier", 1.0),
+        logits_scaling=1.0 / head,
+    )  # fmt: skip
+
+
+def falcon_h1_finish(data: dict[str, Any], config: MambaConfig, params: dict) -> dict:
+    """Fold Falcon-H1's multipliers into the weights (each a constant on a linear map's input or output,
+    so the folded model computes the same function, and its T and beta carry them):
+
+    - SSM: in_proj(m_in x) * mup = x (m_in W_in mup) + b_in mup, mup the per-segment ``ssm_multipliers``
+      over in_proj's z | x | B | C | dt columns; its output times ``ssm_out_multiplier``.
+    - attention: q, k, v read m_in x (``attention_in_multiplier``, weights only); k times
+      ``key_multiplier`` (weight and bias); its output times ``attention_out_multiplier``.
+    - MLP: act(m_gate x W_gate) (``mlp_multipliers[0]``), the output times ``mlp_multipliers[1]``.
+    """
+    get = lambda key: 1.0 if data.get(key) is None else float(data[key])  # noqa: E731
+    gate_m, down_m = data.get("mlp_multipliers") or [1.0, 1.0]
+    c = config
+    e, gn = c.d_inner, c.n_groups * c.d_state
+    mup = np.concatenate(
+        [np.full(w, float(m), np.float32) for w, m in
+         zip((e, e, gn, gn, c.n_heads), data.get("ssm_multipliers") or [1.0] * 5, strict=True)]
+    )  # fmt: skip
+    m_in, k_m = get("attention_in_multiplier"), get("key_multiplier")
+    scales = {
+        "parallel": {
+            "in_proj": get("ssm_in_multiplier") * mup[None, :], "in_proj_b": mup,
+            "out_proj": get("ssm_out_multiplier"), "out_proj_b": get("ssm_out_multiplier"),
+            "q_proj": m_in, "k_proj": m_in * k_m, "k_b": k_m, "v_proj": m_in,
+            "o_proj": get("attention_out_multiplier"), "o_b": get("attention_out_multiplier"),
+        },
+        "mlp": {"gate_proj": float(gate_m), "gate_b": float(gate_m), "down_proj": float(down_m),
+                "down_b": float(down_m)},
+    }  # fmt: skip
+    for kind, layer in zip(c.kinds, params["layers"], strict=True):
+        mixer = layer["mixer"]
+        for name, m in scales[kind].items():
+            if name in mixer and not (np.ndim(m) == 0 and m == 1.0):
+                w = mixer[name]
+                mixer[name] = (np.asarray(w, np.float32) * m).astype(w.dtype)
+    return params
+
+
 READERS = {
     "nemotron_h": nemotron_h_config,
     "bamba": bamba_config,
     "granitemoehybrid": granite_config,
     "jamba": jamba_config,
+    "falcon_h1": falcon_h1_config,
 }
 # after the weights are read: what a family folds into them
-FINISH = {"granitemoehybrid": granite_finish}
+FINISH = {"granitemoehybrid": granite_finish, "falcon_h1": falcon_h1_finish}
 
 
 def prepare_tensors(config: MambaConfig, tensors) -> None:

@@ -160,7 +160,25 @@ _JAMBA_MOE = {
 }
 JAMBA = dataclasses.replace(BAMBA, mixers={**MIXER_NAMES, "moe": _JAMBA_MOE})
 
-NAMINGS = {"bamba": BAMBA, "granitemoehybrid": GRANITE, "jamba": JAMBA}
+
+def _falcon_h1_sublayer(k: int, kind: str, kinds: tuple) -> tuple[str, str]:
+    """Falcon-H1: 2i the parallel block (mamba. and self_attn. under one input norm), 2i + 1 the MLP."""
+    i = k // 2
+    if k % 2:
+        return f"model.layers.{i}.pre_ff_layernorm.weight", f"model.layers.{i}.feed_forward."
+    return f"model.layers.{i}.input_layernorm.weight", f"model.layers.{i}."
+
+
+# the parallel block's two halves under their module names
+_PARALLEL = {name: ("mamba." + t, o) for name, (t, o) in _MIXER_V2.items()} | {
+    name: ("self_attn." + t, o) for name, (t, o) in _ATTENTION.items()
+}
+FALCON_H1 = Naming(
+    embedding=("model.embed_tokens.weight",), norm_f="model.final_layernorm.weight",
+    sublayer=_falcon_h1_sublayer, mixers={**MIXER_NAMES, "parallel": _PARALLEL}, root="model.",
+)  # fmt: skip
+
+NAMINGS = {"bamba": BAMBA, "granitemoehybrid": GRANITE, "jamba": JAMBA, "falcon_h1": FALCON_H1}
 
 
 def naming(family: str) -> Naming:

@@ -138,7 +138,43 @@ def jamba(
     return _perturb(transformers.JambaForCausalLM(cfg), seed)
 
 
+def falcon_h1(
+    *, seed=0, vocab=48, d_model=32, n_layers=2, heads=4, kv_heads=2, mamba_heads=4, d_ssm=48, n_groups=2,
+    d_state=8, chunk_size=8, rms_norm=True, norm_before_gate=True, mamba_proj_bias=False,
+    projectors_bias=False, attention_bias=False, mlp_bias=False, tied=False, multipliers=True,
+):  # fmt: skip
+    """transformers' FalconH1ForCausalLM: every layer a parallel block (Mamba-2 of width ``d_ssm`` beside
+    GQA attention with rotary embeddings) then a SwiGLU MLP; ``multipliers``: every mu-P multiplier set
+    to a distinct value other than 1 (else all 1)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    m = {}
+    if multipliers:
+        m = dict(
+            lm_head_multiplier=0.7, embedding_multiplier=3.0, mlp_multipliers=[1.3, 0.6], key_multiplier=4.0,
+            attention_out_multiplier=0.9, attention_in_multiplier=1.2,
+            ssm_multipliers=[0.5, 1.5, 0.75, 1.25, 2.0], ssm_in_multiplier=1.1, ssm_out_multiplier=0.85,
+        )  # fmt: skip
+    cfg = transformers.FalconH1Config(
+        vocab_size=vocab, hidden_size=d_model, num_hidden_layers=n_layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, intermediate_size=40, mamba_d_ssm=d_ssm, mamba_n_heads=mamba_heads,
+        mamba_n_groups=n_groups, mamba_d_state=d_state, mamba_chunk_size=chunk_size,
+        mamba_rms_norm=rms_norm, mamba_norm_before_gate=norm_before_gate, mamba_proj_bias=mamba_proj_bias,
+        projectors_bias=projectors_bias, attention_bias=attention_bias, mlp_bias=mlp_bias,
+        tie_word_embeddings=tied, rope_parameters={"rope_type": "default", "rope_theta": 1000.0}, **m,
+    )  # fmt: skip
+    model = _perturb(transformers.FalconH1ForCausalLM(cfg), seed)
+    with torch.no_grad():  # in_proj at std 0.02 leaves the SSM's output second order (x * SiLU(z)) beside
+        for name, p in model.named_parameters():  # the attention's: raise it so that both halves count
+            if name.endswith("mamba.in_proj.weight"):
+                p.mul_(20.0)
+    return model
+
+
 BUILDERS = {
+    "falcon_h1": falcon_h1,
     "jamba": jamba,
     "granitemoehybrid": granite,
     "bamba": bamba,

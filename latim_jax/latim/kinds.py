@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from latim_jax.kernels import f32
 from latim_jax.kernels.block_sizes import Blocks
-from latim_jax.latim import attention, mamba, tokenwise
+from latim_jax.latim import attention, mamba, parallel_mixer, tokenwise
 from latim_jax.model.inputs import check_mask
 from latim_jax.parallel.context import XLA, Context, resolve
 
@@ -46,6 +46,7 @@ KINDS = {
     "attention": attention.factors,
     "mlp": tokenwise.factors,
     "moe": tokenwise.factors,
+    "parallel": parallel_mixer.factors,
 }
 MODES = mamba.MODES
 check_mode = mamba.check_mode

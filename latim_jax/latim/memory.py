@@ -124,11 +124,12 @@ def estimate(
         work = b * blk.rows * blk.cols * (2 * e + d + chans) * f4
     layer_scores = b * R * L * f4
     layer = factors + scan + work
-    if "attention" in c.kinds:  # q, k, v, the rows' lse, the forward's row tile; per block alpha, V, T
+    if c.has_attention:  # q, k, v, the rows' lse, the forward's row tile; per block alpha, V, T
         H, G, a = c.attn_heads, c.attn_kv_heads, c.attn_head_dim
         attn = (b * L * (H + 2 * G) * a + b * H * L + 5 * b * L * d + 2 * b * H * min(L, 256) * L) * f4
         attn += b * blk.rows * blk.cols * (H * a + 2 * H + d) * f4
-        layer = max(layer, attn)
+        # a parallel sublayer holds both halves' factors at once
+        layer = layer + attn if "parallel" in c.kinds else max(layer, attn)
     if "mlp" in c.kinds:  # the hidden activations; per block the (diagonal) contributions
         layer = max(
             layer, (b * L * c.mlp_width * 2 + 5 * b * L * d) * f4 + b * blk.rows * blk.cols * 2 * d * f4

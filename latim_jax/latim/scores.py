@@ -157,11 +157,7 @@ def _split_layer_scores(f, method, rows, mask, blocks, aux, ctx: Context, aggreg
     data = ctx.axis(DATA) if b % ctx.axis_size(DATA) == 0 else None
     rows_p = row_tiles(rows, m).reshape(-1)
     batch = P(data)
-    specs = jax.tree.map(lambda _: batch, f)  # every per-prompt array split over "data"
-    if f.W_out is not None:
-        specs = dataclasses.replace(specs, W_out=P())
-    if has_ssm(f):
-        specs = dataclasses.replace(specs, a=P(None, data), ssm=dataclasses.replace(specs.ssm, A=P(), D=P()))
+    specs = factor_specs(f, batch, data)
 
     split_range = method == "hidden_attention" and aggregation == "minmax" and has_ssm(f)
     all_rows = row_tiles(jnp.arange(f.length), m).reshape(m, -1)  # each device's share of every row
@@ -186,6 +182,21 @@ def _split_layer_scores(f, method, rows, mask, blocks, aux, ctx: Context, aggreg
         out_specs=(out_spec, out_spec) if method == "logit+alti" else out_spec, check_vma=False,
     )(f, rows_p, aux, mask)  # fmt: skip
     return jax.tree.map(lambda s: s[:, :r], out)
+
+
+def factor_specs(f, batch, data):
+    """The PartitionSpecs of the factors ``f`` inside the score stage's shard_map: every per-prompt array
+    split over "data" (``batch``), the output matrix and the SSM's A, D replicated, the Mamba tap values
+    (K, b, l, e) split on their batch axis; a kind made of parts (``parts``: a parallel block) applies
+    this to each part."""
+    specs = jax.tree.map(lambda _: batch, f)
+    if getattr(f, "W_out", None) is not None:
+        specs = dataclasses.replace(specs, W_out=P())
+    if has_ssm(f):
+        specs = dataclasses.replace(specs, a=P(None, data), ssm=dataclasses.replace(specs.ssm, A=P(), D=P()))
+    for name in getattr(f, "parts", ()):
+        specs = dataclasses.replace(specs, **{name: factor_specs(getattr(f, name), batch, data)})
+    return specs
 
 
 def kept_pairs(rows, length: int, mask):

@@ -23,7 +23,12 @@ from typing import Any
 
 ACTIVATIONS = ("silu", "relu", "identity")
 MLP_ACTIVATIONS = ("silu", "relu", "relu2", "gelu", "gelu_tanh")
-LAYER_KINDS = ("mamba1", "mamba2", "attention", "mlp", "moe")
+LAYER_KINDS = ("mamba1", "mamba2", "attention", "mlp", "moe", "parallel")
+# the kinds that hold a softmax attention (a parallel block: Mamba-2 and attention side by side)
+ATTENTION_KINDS = ("attention", "parallel")
+# how Mamba-2's output y meets its gate SiLU(z) (Falcon-H1 picks per config): "gated" RMSNorm of
+# y * SiLU(z) (mamba_ssm, transformers' Mamba2), "before_gate" RMSNorm(y) * SiLU(z), "none" y * SiLU(z)
+SSM_NORMS = ("gated", "before_gate", "none")
 # each kind's parameters on its output side: scaling them scales the sublayer's output (a residual
 # multiplier folds into them)
 OUTPUT_PARAMS = {
@@ -32,10 +37,12 @@ OUTPUT_PARAMS = {
     "attention": ("o_proj", "o_b"),
     "mlp": ("down_proj", "down_b"),
     "moe": ("experts_down", "shared_down", "shared_down_b"),
+    "parallel": ("out_proj", "out_proj_b", "o_proj", "o_b"),
 }
 MOE_ROUTERS = ("softmax_topk", "softmax_all", "sigmoid_groups")
 # how plots, tables and the CLI name each kind
-KIND_NAMES = {"mamba1": "Mamba-1", "mamba2": "Mamba-2", "attention": "attention", "mlp": "MLP", "moe": "MoE"}
+KIND_NAMES = {"mamba1": "Mamba-1", "mamba2": "Mamba-2", "attention": "attention", "mlp": "MLP", "moe": "MoE",
+              "parallel": "Mamba-2 + attention"}  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -45,6 +52,8 @@ class MambaConfig:
     ``vocab_size`` is the number of embedding rows (padded vocabulary). ``activation`` is the
     post-conv activation of the value path (the output gate is always SiLU, as in the reference).
     ``time_step_limit`` clamps Mamba-2's Delta (the default ``(0, inf)`` is a no-op).
+    A "parallel" sublayer (Falcon-H1) runs the Mamba-2 mixer and attention on the same normalised
+    input and adds their outputs (each family's multipliers folded into the weights).
     """
 
     version: int
@@ -60,6 +69,8 @@ class MambaConfig:
     chunk_size: int = 256  # Mamba-2 (only changes rounding)
     conv_bias: bool = True
     proj_bias: bool = False  # bias on in_proj and out_proj
+    out_proj_bias: bool | None = None  # out_proj's bias when it differs from proj_bias (Falcon-H1)
+    ssm_norm: str = "gated"  # Mamba-2's output norm (SSM_NORMS)
     rms_eps: float = 1e-5
     tie_embeddings: bool = True
     activation: str = "silu"
@@ -128,6 +139,10 @@ class MambaConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"MambaConfig.{name} must be a positive int, found {value!r}")
+        if self.ssm_norm not in SSM_NORMS:
+            raise ValueError(f"MambaConfig.ssm_norm must be one of {SSM_NORMS}, found {self.ssm_norm!r}")
+        if self.ssm_norm != "gated" and self.version != 2:
+            raise ValueError(f"MambaConfig.ssm_norm {self.ssm_norm!r} is a Mamba-2 option (version is 1)")
         if self.activation not in ACTIVATIONS:
             raise ValueError(
                 f"MambaConfig.activation must be one of {ACTIVATIONS}, found {self.activation!r}"
@@ -161,10 +176,11 @@ class MambaConfig:
             )
         ssm = f"mamba{self.version}"
         for i, kind in enumerate(kinds):
-            if kind not in LAYER_KINDS or (kind.startswith("mamba") and kind != ssm):
-                allowed = [ssm, "attention", "mlp", "moe"]
+            wrong = (kind.startswith("mamba") and kind != ssm) or (kind == "parallel" and self.version != 2)
+            if kind not in LAYER_KINDS or wrong:
+                allowed = [ssm, "attention", "mlp", "moe"] + (["parallel"] if self.version == 2 else [])
                 raise ValueError(f"MambaConfig.layer_kinds[{i}] is {kind!r}; expected one of {allowed}")
-        if "attention" in kinds:
+        if self.has_attention:
             for name in ("attn_heads", "attn_kv_heads", "attn_head_dim"):
                 value = getattr(self, name)
                 if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -230,6 +246,11 @@ class MambaConfig:
         counts = {k: self.kinds.count(k) for k in dict.fromkeys(self.kinds)}
         mix = ", ".join(f"{n} {KIND_NAMES[k]}" for k, n in counts.items())
         return f"{self.family or 'hybrid'}: {mix} sublayers"
+
+    @property
+    def has_attention(self) -> bool:
+        """Whether some sublayer holds a softmax attention (an "attention" or "parallel" kind)."""
+        return any(k in ATTENTION_KINDS for k in self.kinds)
 
     @property
     def is_hybrid(self) -> bool:
@@ -303,8 +324,10 @@ def param_shapes(config: MambaConfig) -> dict[str, Any]:
         conv_b (e,), x_proj (e, r+2n), dt_proj (r, e), dt_bias (e,), A_log (e, n), D (e,),
         out_proj (e, d); in_proj_b (2e,) and out_proj_b (d,) when proj_bias.
     Mamba-2 mixer: in_proj (d, 2e+2gn+h) [order z, x, B, C, dt], conv_w (k, e+2gn), conv_b (e+2gn,),
-        dt_bias (h,), A_log (h,), D (h,), norm_w (e,), out_proj (e, d); biases as in Mamba-1.
-    Attention and MLP sublayers: see :func:`attention_shapes`, :func:`mlp_shapes`.
+        dt_bias (h,), A_log (h,), D (h,), norm_w (e,) (none when ``ssm_norm`` is "none"), out_proj (e, d);
+        biases as in Mamba-1 (out_proj_b follows ``out_proj_bias`` when that is set).
+    Attention and MLP sublayers: see :func:`attention_shapes`, :func:`mlp_shapes`; a parallel sublayer
+    holds the Mamba-2 mixer's parameters and the attention's in one dict (their names differ).
     """
     c = config
     e, n, k, d = c.d_inner, c.d_state, c.d_conv, c.d_model
@@ -336,12 +359,17 @@ def param_shapes(config: MambaConfig) -> dict[str, Any]:
         }
     if c.conv_bias:
         mixer["conv_b"] = (c.conv_dim,)
+    if c.version == 2 and c.ssm_norm == "none":
+        del mixer["norm_w"]
     if c.proj_bias:
         mixer["in_proj_b"] = (in_width,)
+    if c.proj_bias if c.out_proj_bias is None else c.out_proj_bias:
         mixer["out_proj_b"] = (d,)
     by_kind = {f"mamba{c.version}": mixer}
-    if "attention" in c.kinds:
+    if c.has_attention:
         by_kind["attention"] = attention_shapes(c)
+    if "parallel" in c.kinds:  # the Mamba-2 mixer's and the attention's parameters side by side
+        by_kind["parallel"] = {**mixer, **by_kind["attention"]}
     if "mlp" in c.kinds:
         by_kind["mlp"] = mlp_shapes(c)
     if "moe" in c.kinds:

@@ -24,7 +24,7 @@ def prefill(model, tokens, mask=None, *, max_length: int = 0):
 def _cache_length(model, length: int) -> int:
     """The positions the caches hold: ``length`` with an attention sublayer, else 0 (a Mamba state does
     not grow, and one program then serves every length)."""
-    return length if "attention" in model.config.kinds else 0
+    return length if model.config.has_attention else 0
 
 
 @jit_model_fn(static_argnames=("max_length",))

@@ -34,6 +34,7 @@ from latim_jax.model.layers import normed_linear, rms_norm
 from latim_jax.model.mixers import Mamba1Mixer, Mamba2Mixer
 from latim_jax.model.mlp import MLPMixer
 from latim_jax.model.moe import MoEMixer
+from latim_jax.model.parallel_mixer import ParallelMixer
 from latim_jax.model.sharding import context
 from latim_jax.parallel.context import XLA, Context
 from latim_jax.parallel.mesh import DATA, P, gather, pad_batch, put
@@ -73,6 +74,7 @@ MIXERS = {
     "attention": AttentionMixer,
     "mlp": MLPMixer,
     "moe": MoEMixer,
+    "parallel": ParallelMixer,
 }
 
 # a prompt of at least this many positions runs in_proj with its pre-norm folded past the product
@@ -98,7 +100,7 @@ class Block(nnx.Module):
 
     @property
     def kind(self) -> str:
-        """The layer kind: "mamba1", "mamba2", "attention" or "mlp"."""
+        """The layer kind (config.LAYER_KINDS): "mamba1", "mamba2", "attention", "mlp", "moe", "parallel"."""
         return self.mixer.kind
 
     @property

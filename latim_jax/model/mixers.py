@@ -56,7 +56,8 @@ class Intermediates:
     delta: (b, l, e) Mamba-1 / (b, l, h) Mamba-2 (zero at padding: the state skips pad positions)
     B, C: (b, l, n) Mamba-1 / (b, l, g, n) Mamba-2
     y: (b, l, e) scan output including the D skip term
-    G: (b, l, e) output multiplier: SiLU(z) (Mamba-1), w_norm * SiLU(z) / rms_group(y * SiLU(z)) (Mamba-2)
+    G: (b, l, e) output multiplier: SiLU(z) (Mamba-1), w_norm * SiLU(z) / rms_group(y * SiLU(z)) (Mamba-2;
+       see :meth:`Mamba2Mixer.gate` for its norm variants)
     """
 
     u: jax.Array
@@ -220,10 +221,15 @@ class Mamba2Mixer(_Mixer):
         return jnp.clip(jax.nn.softplus(dt + self.dt_bias[...].astype(f32)), lo, hi)
 
     def gate(self, y, z):
-        """G = w_norm * SiLU(z) / rms_group(y * SiLU(z)); y, z (..., e)."""
+        """The output multiplier G (y * G is out_proj's input); y, z (..., e). By ``config.ssm_norm``:
+        "gated" w_norm * SiLU(z) / rms_group(y * SiLU(z)), "before_gate" w_norm * SiLU(z) / rms_group(y),
+        "none" SiLU(z)."""
         c = self.config
         g = jax.nn.silu(z)
-        return self.norm_w[...].astype(f32) * g / group_rms(y * g, c.n_groups, c.rms_eps)
+        if c.ssm_norm == "none":
+            return g
+        normed = y * g if c.ssm_norm == "gated" else y
+        return self.norm_w[...].astype(f32) * g / group_rms(normed, c.n_groups, c.rms_eps)
 
     def intermediates(
         self, x=None, *, mask, ctx: Context = XLA, hold_fixed=False, projected=None

@@ -26,6 +26,10 @@ class ParamModule(nnx.Module):
         p = getattr(self, name, None)
         return None if p is None else p[...]
 
+    def param(self, name: str):
+        """The ``nnx.Param`` called ``name`` (what a mesh layout replaces in place)."""
+        return getattr(self, name)
+
     def param_dict(self) -> dict:
         """The module's parameters as a plain dict of arrays (the layout of config.param_shapes)."""
         return {n: getattr(self, n)[...] for n in self.NAMES if hasattr(self, n)}

@@ -39,7 +39,7 @@ def shard(model, mesh: Mesh):
 
     for block in model.layers:
         for name, value in block.mixer.param_dict().items():
-            put(getattr(block.mixer, name), param_spec(name, value.shape, m))
+            put(block.mixer.param(name), param_spec(name, value.shape, m))
         put(block.norm, P())
     for name in ("embedding", "lm_head"):
         param = getattr(model, name, None)

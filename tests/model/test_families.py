@@ -51,6 +51,26 @@ VARIANTS = {
         "jamba",
         dict(n_layers=5, attn=(3, 1), experts=(3, 0), top_k=3, tied=True, proj_bias=True, kv_heads=4),
     ),
+    # every mu-P multiplier, RMSNorm(y) * SiLU(z) after the scan, GQA, two groups
+    "falcon_h1": ("falcon_h1", {}),
+    # no SSM norm (so no multiplier of in_proj's segments is normalised away), out_proj biased alone
+    "falcon_h1_nonorm": ("falcon_h1", dict(rms_norm=False, projectors_bias=True, n_layers=3)),
+    # no multipliers, the gated norm of mamba_ssm (norm after the gate), biases everywhere (in_proj's
+    # and out_proj's apart), tied, MHA, one group
+    "falcon_h1_plain": (
+        "falcon_h1",
+        dict(
+            norm_before_gate=False,
+            multipliers=False,
+            mamba_proj_bias=True,
+            projectors_bias=True,
+            attention_bias=True,
+            mlp_bias=True,
+            tied=True,
+            kv_heads=4,
+            n_groups=1,
+        ),
+    ),  # fmt: skip
     "bamba": ("bamba", {}),
     # attention first and last, biases everywhere, tied, the whole head rotated, one group
     "bamba_bias_tied": (
@@ -114,8 +134,9 @@ def test_logits_and_streams_match_transformers(family_dir, name):
 
 @pytest.mark.parametrize(
     "name",
-    ["nemotron_h_moe", "nemotron_h_mha", "falcon_mamba", "bamba_bias_tied", "granitemoehybrid", "jamba"],
-)
+    ["nemotron_h_moe", "nemotron_h_mha", "falcon_mamba", "bamba_bias_tied", "granitemoehybrid", "jamba",
+     "falcon_h1_plain"],
+)  # fmt: skip
 def test_padded_batch_equals_each_prompt_alone_and_transformers(family_dir, name):
     path, ref = family_dir(name)
     model = latim_jax.load(path)
@@ -131,7 +152,9 @@ def test_padded_batch_equals_each_prompt_alone_and_transformers(family_dir, name
     assert rel_err(logits[1, 6:], want[0]) < TOL  # an in_proj bias at pad positions into the conv window)
 
 
-@pytest.mark.parametrize("name", ["nemotron_h_moe", "falcon_mamba", "bamba", "granitemoehybrid", "jamba"])
+@pytest.mark.parametrize(
+    "name", ["nemotron_h_moe", "falcon_mamba", "bamba", "granitemoehybrid", "jamba", "falcon_h1"]
+)
 def test_generation_equals_the_full_forward(family_dir, name):
     path, _ = family_dir(name)
     model = latim_jax.load(path)
@@ -177,6 +200,12 @@ def _without(model, **changes):
         ("jamba", dict(bcdt_norm_weight=False)),  # the dt / B / C norms' weights dropped
         ("jamba", dict(bcdt_norm=False)),  # no dt / B / C norms
         ("jamba", dict(moe_router="softmax_topk")),  # the top-k renormalised
+        ("falcon_h1", dict(ssm_norm="gated")),  # the norm after the gate instead of before
+        ("falcon_h1", dict(ssm_norm="none")),  # the SSM's norm skipped
+        ("falcon_h1_plain", dict(ssm_norm="before_gate")),
+        ("falcon_h1", dict(embedding_multiplier=1.0)),
+        ("falcon_h1", dict(logits_scaling=1.0)),  # lm_head_multiplier dropped
+        ("falcon_h1", dict(rope_theta=0.0)),  # no rotary embedding
     ],
 )
 def test_parity_fails_without_a_family_feature(family_dir, name, changes):
@@ -236,6 +265,41 @@ def test_the_residual_multiplier_is_folded(family_dir, monkeypatch):
     assert rel_err(latim_jax.load(path)(tokens), logits) > 10 * TOL
 
 
+def test_every_falcon_h1_multiplier_is_folded(family_dir, monkeypatch):
+    """Each of Falcon-H1's multipliers folded into the weights matters: read with that one multiplier left
+    at 1 by the fold, the first layer's update of the stream (transformers' hidden_states[1] - [0]) no
+    longer matches; read as stored, it does."""
+    from latim_jax.convert import hybrids
+
+    path, ref = family_dir("falcon_h1_nonorm")
+    tokens = np.random.default_rng(5).integers(0, 48, (1, 13))
+    _, hidden = reference(ref, tokens)
+    want = hidden[1] - hidden[0]
+
+    def update():
+        res = latim_jax.load(path).forward(tokens).residuals
+        return rel_err(res[2] - res[0], want)
+
+    assert update() < TOL
+    fold = hybrids.falcon_h1_finish
+    for key in ("key_multiplier", "attention_out_multiplier", "attention_in_multiplier", "ssm_in_multiplier",
+                "ssm_out_multiplier", "mlp_multipliers"):  # fmt: skip
+        monkeypatch.setitem(
+            hybrids.FINISH, "falcon_h1", lambda data, config, params, key=key: fold(
+                {k: v for k, v in data.items() if k != key}, config, params)
+        )  # fmt: skip
+        assert update() > 10 * TOL, key
+    for i in range(5):  # each segment of in_proj's columns (z, x, B, C, dt) has its own multiplier
+
+        def one_segment(data, config, params, i=i):
+            m = list(data["ssm_multipliers"])
+            m[i] = 1.0
+            return fold({**data, "ssm_multipliers": m}, config, params)
+
+        monkeypatch.setitem(hybrids.FINISH, "falcon_h1", one_segment)
+        assert update() > 10 * TOL, ("ssm_multipliers", i)
+
+
 def test_nemotron_h_experts_are_stacked_in_order(family_dir, tmp_path):
     """Each expert's matrices are stored apart; a missing expert is an error naming its tensor."""
     from safetensors.numpy import load_file, save_file
@@ -270,7 +334,9 @@ def test_bf16_sharded_hybrid_checkpoints(tmp_path, family):
     assert rel_err(latim_jax.load(tmp_path, dtype="float32")(tokens), logits32) < TOL
 
 
-@pytest.mark.parametrize("name", ["falcon_mamba", "nemotron_h_moe", "bamba", "granitemoehybrid", "jamba"])
+@pytest.mark.parametrize(
+    "name", ["falcon_mamba", "nemotron_h_moe", "bamba", "granitemoehybrid", "jamba", "falcon_h1"]
+)
 def test_check_compares_every_family_in_transformers_order(family_dir, name, monkeypatch):
     """`latim-jax check` passes on each family; read in the wrong hidden-state order it fails."""
     from latim_jax.cli import check
