@@ -29,6 +29,11 @@ SCRIPT = textwrap.dedent(
                          chunk_size=4, layer_kinds=("mamba2", "attention", "mlp", "moe"), attn_heads=4,
                          attn_kv_heads=2, attn_head_dim=4, rope_theta=100.0, mlp_width=24, mlp_gated=True,
                          moe_experts=4, moe_top_k=2, moe_width=8, moe_shared_width=8),
+        # Falcon-H1's parallel block (Mamba-2 beside attention) and an MLP
+        "p": MambaConfig(version=2, d_model=16, n_layers=2, vocab_size=32, d_state=4, head_dim=4, n_groups=2,
+                         chunk_size=4, layer_kinds=("parallel", "mlp"), attn_heads=4, attn_kv_heads=2,
+                         attn_head_dim=4, rope_theta=100.0, mlp_width=24, mlp_gated=True,
+                         ssm_norm="before_gate"),
     }
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 32, (3, 10))  # 3 prompts: not a multiple of the data axis
@@ -48,6 +53,7 @@ SCRIPT = textwrap.dedent(
         (1, "hidden_attention", (1, 8), "xla", "full"),  # minmax's range once, rows over 8 devices
         ("h", "alti", (2, 4), "xla", "full"),    # every hybrid kind, rows split
         ("h", "logit", (1, 8), "pallas", "long"),  # the kernel for the SSM, the tile loop for the rest
+        ("p", "alti", (2, 4), "pallas", "full"),  # a parallel block's two halves, the Pallas scan inside
     ]
     for version, method, shape, impl, batch in RUNS:
         params = init_params(CFG[version], 1)
@@ -65,7 +71,7 @@ SCRIPT = textwrap.dedent(
         assert err < 2e-5, (version, method, shape, impl, err)
         for key in want.extra:
             assert rel(got.extra[key], want.extra[key]) < 2e-5, key
-        w = model.layers[0].mixer.in_proj[...]
+        w = model.layers[0].mixer.param("in_proj")[...]
         assert len(w.sharding.device_set) == 8
         if shape[1] > 1:  # model-parallel: each device holds 1/model of in_proj's columns
             assert w.addressable_shards[0].data.shape[1] == w.shape[1] // shape[1]

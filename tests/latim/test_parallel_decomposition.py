@@ -1,0 +1,123 @@
+"""The parallel layer kind (Falcon-H1: Mamba-2 and attention on one normalised input, outputs added):
+exact conservation with padding, the block's contributions equal to the sum of its halves decomposed
+as layers of their own kinds, the logit identity, padding and row subsets, hidden attention, the
+Pallas path, vmap and gradients."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import directional_fd, rel_err
+
+import latim_jax
+from latim_jax.latim.kinds import full_contributions, layer_factors
+from latim_jax.model.init import init_params
+
+# Falcon-H1's layout with every option its parallel block reads: GQA with rotary and biases, Mamba-2 with
+# groups, RMSNorm(y) * SiLU(z), an out_proj bias without an in_proj one, the multipliers' configuration
+# fields (folded weights are plain weights here)
+CONFIG = latim_jax.MambaConfig(
+    version=2, d_model=16, n_layers=4, vocab_size=40, d_state=4, head_dim=8, n_groups=2, chunk_size=8,
+    layer_kinds=("parallel", "mlp", "parallel", "mlp"), attn_heads=4, attn_kv_heads=2, attn_head_dim=6,
+    rope_theta=500.0, attn_bias=True, attn_out_bias=True, mlp_width=24, mlp_gated=True, mlp_bias=True,
+    ssm_norm="before_gate", out_proj_bias=True, conv_bias=True, embedding_multiplier=3.0,
+    logits_scaling=1.5,
+)  # fmt: skip
+L = 21
+
+
+@pytest.fixture(scope="module")
+def model():
+    return latim_jax.MambaLM(CONFIG, init_params(CONFIG, 5))
+
+
+def _tokens(b=2, length=L, seed=0):
+    return np.random.default_rng(seed).integers(0, CONFIG.n_tokens, (b, length))
+
+
+@pytest.mark.parametrize("norm", ["before_gate", "none", "gated"])
+def test_parallel_blocks_conserve_exactly_with_padding(norm):
+    config = dataclasses.replace(CONFIG, ssm_norm=norm, proj_bias=norm == "gated")
+    model = latim_jax.MambaLM(config, init_params(config, 5))
+    tokens = _tokens()
+    mask = np.ones(tokens.shape, bool)
+    mask[1, :5] = False
+    exact = latim_jax.conservation_error(model, tokens, 2, "exact", mask=mask)
+    paper = latim_jax.conservation_error(model, tokens, 2, "paper", mask=mask)
+    assert exact < 2e-6 and paper > 1e-3, (exact, paper)  # the SSM half's paper mode is approximate
+    C = latim_jax.contributions(model, tokens, 0, mask=mask)
+    T = np.asarray(C.T)
+    i, j = np.triu_indices(L, 1)
+    assert np.all(T[:, i, j] == 0)  # causal
+    assert np.all(T[1, :, :5] == 0)  # padding sources contribute nothing
+    assert rel_err((T.sum(2) + np.asarray(C.bias))[mask], np.asarray(C.output)[mask]) < 2e-6
+
+
+def test_a_parallel_block_is_the_sum_of_its_halves(model):
+    """The block's T and beta equal those of its Mamba-2 half and its attention half, each decomposed as a
+    layer of its own kind (same norm, same weights, same input stream)."""
+    tokens = _tokens()
+    h = model.forward(tokens).residuals[2]
+    layer = model.params()["layers"][2]
+    got = layer_factors(model, h, 2)
+    T = np.asarray(full_contributions(got))
+    parts = []
+    for kind in ("mamba2", "attention"):
+        config = dataclasses.replace(CONFIG, n_layers=1, layer_kinds=(kind,))
+        names = latim_jax.model.config.param_shapes(config)["layers"][0]["mixer"]
+        params = model.params()
+        params["layers"] = [{"norm": layer["norm"], "mixer": {k: layer["mixer"][k] for k in names}}]
+        half = latim_jax.MambaLM(config, params)
+        parts.append(layer_factors(half, h, 0))
+    want_T = sum(np.asarray(full_contributions(f)) for f in parts)
+    assert rel_err(T, want_T) < 1e-6
+    assert rel_err(got.bias, sum(f.bias for f in parts)) < 1e-6
+    assert rel_err(got.output, sum(f.output for f in parts)) < 1e-6
+    assert rel_err(h + got.output, model.forward(tokens).residuals[3]) < 1e-6
+    for f in parts:  # both halves carry a share of the block's contributions
+        assert np.abs(np.asarray(full_contributions(f))).max() > 0.05 * np.abs(T).max()
+    assert rel_err(got.token_total, sum(f.token_total for f in parts)) < 1e-6
+
+
+def test_logit_identity_and_padding_and_rows(model):
+    tokens = _tokens()
+    mask = np.ones(tokens.shape, bool)
+    mask[1, :6] = False
+    a = latim_jax.attribute(model, tokens, method="logit", mask=mask)
+    total = a.scores.sum((1, 3)) + a.extra["bias"].sum(1) + a.extra["direct"]
+    assert rel_err(np.where(mask, total, 0), np.where(mask, a.extra["logit"], 0)) < 1e-5
+    assert a.layer_kinds == CONFIG.kinds
+    for method in ("alti", "logit"):
+        full = latim_jax.attribute(model, tokens, method=method, mask=mask)
+        alone = latim_jax.attribute(model, tokens[1:, 6:], method=method)
+        np.testing.assert_allclose(full.scores[1, :, 6:, 6:], alone.scores[0], rtol=2e-5, atol=2e-6)
+        last = latim_jax.attribute(model, tokens, method=method, mask=mask, rows=[-1, 10])
+        np.testing.assert_allclose(last.scores, full.scores[:, :, [20, 10]], rtol=2e-5, atol=2e-6)
+
+
+def test_hidden_attention_is_the_attention_halfs_weights_and_pallas_equals_xla(model):
+    tokens = _tokens()
+    a = latim_jax.attribute(model, tokens, method="hidden_attention", layers=[0])
+    np.testing.assert_allclose(a.scores.sum(-1), 1.0, rtol=1e-5)  # softmax rows (the SSM's are not)
+    xla = latim_jax.attribute(model, tokens, method="l2", impl="xla")
+    pallas = latim_jax.attribute(model, tokens, method="l2", impl="pallas")
+    assert rel_err(pallas.scores, xla.scores) < 2e-5
+
+
+def test_vmap_equals_the_loop_and_grad_equals_finite_differences(model):
+    tokens = _tokens(3, 12)
+    embeds = 20.0 * model.embed(jnp.asarray(tokens))
+
+    def score(e):
+        return latim_jax.attribute(model, inputs_embeds=e[None], method="l2", layers=[0, 2]).scores[0]
+
+    mapped = jax.vmap(score)(embeds)
+    looped = jnp.stack([score(e) for e in embeds])
+    np.testing.assert_allclose(mapped, looped, rtol=1e-5, atol=1e-6)
+    # eps 3e-3: at 1e-3 the fp32 difference quotient's rounding is ~5e-3 of the value here
+    analytic, numeric = directional_fd(lambda e: jnp.sum(score(e) ** 2), (embeds[0],), eps=3e-3)
+    assert abs(analytic - numeric) <= 2e-3 * max(abs(numeric), 1e-3), (analytic, numeric)
