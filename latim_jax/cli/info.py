@@ -37,9 +37,14 @@ def summary(model, path=None) -> str:
     sizes = ", ".join(f"{name} {_bytes(n)}" for name, n in sorted(nbytes.items()))
     lines.append(f"parameters: {count:,} ({sizes})")
     if c.is_hybrid:
-        arch = f"attention {c.attn_heads} heads ({c.attn_kv_heads} key/value) x {c.attn_head_dim}"
-        arch += f", rotary theta {c.rope_theta:g}" if c.rope_theta else ", no rotary embedding"
-        arch += f", sliding window {c.sliding_window}" if c.sliding_window else ""
+        arch = ""
+        if c.has_attention:
+            arch = f"attention {c.attn_heads} heads ({c.attn_kv_heads} key/value) x {c.attn_head_dim}"
+            arch += f", rotary theta {c.rope_theta:g}" if c.rope_theta else ", no rotary embedding"
+            arch += f", sliding window {c.sliding_window}" if c.sliding_window else ""
+        if c.ssm_norm != "gated":
+            norm = "RMSNorm(y) * SiLU(z)" if c.ssm_norm == "before_gate" else "y * SiLU(z)"
+            arch += f"; SSM output {norm}"
         if "mlp" in c.kinds:
             gated = "gated " if c.mlp_gated else ""
             arch += f"; {gated}MLP width {c.mlp_width}, {c.mlp_activation}"
@@ -47,7 +52,7 @@ def summary(model, path=None) -> str:
             shared = f", shared expert width {c.moe_shared_width}" if c.moe_shared_width else ""
             experts = f"{c.moe_experts} experts (top {c.moe_top_k}, {c.moe_router})"
             arch += f"; {experts} of width {c.moe_width}{shared}"
-        lines.append(f"  sublayers: {arch}")
+        lines.append(f"  sublayers: {arch.lstrip('; ')}")
     all_params = model.params()["layers"]
     for kind in dict.fromkeys(c.kinds):
         at = [i for i, k in enumerate(c.kinds) if k == kind]
@@ -62,8 +67,7 @@ def summary(model, path=None) -> str:
     head = "tied to the embedding" if c.tie_embeddings else "separate lm_head"
     padded = "" if c.n_tokens == c.vocab_size else f" ({c.n_tokens} tokens, rows past them are padding)"
     lines.append(f"embedding: ({c.vocab_size}, {c.d_model}){padded}; output head {head}")
-    cfg = ", ".join(f"{k}={v}" for k, v in sorted(c.to_dict().items()))
-    lines.append(f"config: {cfg}")
+    lines.append(f"config: {_config_line(c)}")
     lines.append(f"task: {_task(model.task)}")
     lines.append(_vocabulary(model))
     return "\n".join(lines)
@@ -126,3 +130,15 @@ def _bytes(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n} B"
+
+
+def _config_line(c) -> str:
+    """The config's fields as key=value, those at their default value left out (they are many for a
+    hybrid: every kind's options exist on every config)."""
+    import dataclasses
+
+    defaults = {f.name: f.default for f in dataclasses.fields(c) if f.default is not dataclasses.MISSING}
+    if c.version == 2:  # Mamba-1's dt rank (computed from d_model when 0) means nothing for Mamba-2
+        defaults["dt_rank"] = c.dt_rank
+    shown = {k: v for k, v in c.to_dict().items() if k not in defaults or getattr(c, k) != defaults[k]}
+    return ", ".join(f"{k}={v}" for k, v in sorted(shown.items())) + " (other fields at their defaults)"
