@@ -130,15 +130,14 @@ def nemotron_h_config(data: dict[str, Any], file: str) -> MambaConfig:
     kv = attn_heads if kv is None else f.int("num_key_value_heads", 8)
     moe = {}
     if "moe" in kinds:
-        if f.raw("moe_latent_size", None) is not None:
-            raise f.error("moe_latent_size", "latent expert projections are not supported yet", None,
-                          f.raw("moe_latent_size"))  # fmt: skip
+        latent = f.raw("moe_latent_size", None)
         experts_key = "n_routed_experts" if f.has("n_routed_experts") else "num_local_experts"
         moe = dict(
             moe_experts=f.int(experts_key, 8), moe_top_k=f.int("num_experts_per_tok", 2),
             moe_width=f.int("moe_intermediate_size", 7688),
             moe_shared_width=f.int("moe_shared_expert_intermediate_size", 7688), moe_router="sigmoid_groups",
             moe_groups=f.int("n_group", 1), moe_topk_groups=f.int("topk_group", 1),
+            moe_latent=0 if latent is None else f.int("moe_latent_size"),
             moe_norm_topk=f.bool("norm_topk_prob", True), moe_scale=f.float("routed_scaling_factor", 1.0),
         )  # fmt: skip
     return build_config(
@@ -344,7 +343,10 @@ def granite_finish(data: dict[str, Any], config: MambaConfig, params: dict) -> d
 def fold_output_scale(config: MambaConfig, params: dict, m: float) -> None:
     """Scale every sublayer's output-side parameters by m, in place (their dtype kept)."""
     for kind, layer in zip(config.kinds, params["layers"], strict=True):
-        for name in OUTPUT_PARAMS[kind]:
+        names = OUTPUT_PARAMS[kind]
+        if "latent_out" in layer["mixer"]:  # the experts' sum passes latent_out: scale it, not experts_down
+            names = tuple(n for n in names if n != "experts_down") + ("latent_out", "latent_out_b")
+        for name in names:
             if name in layer["mixer"]:
                 w = layer["mixer"][name]
                 layer["mixer"][name] = (np.asarray(w, np.float32) * m).astype(w.dtype)

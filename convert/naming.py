@@ -79,6 +79,10 @@ _MOE = {
     "shared_up_b": ("shared_experts.up_proj.bias", SAME),
     "shared_down": ("shared_experts.down_proj.weight", LINEAR),
     "shared_down_b": ("shared_experts.down_proj.bias", SAME),
+    "latent_in": ("fc1_latent_proj.weight", LINEAR),
+    "latent_in_b": ("fc1_latent_proj.bias", SAME),
+    "latent_out": ("fc2_latent_proj.weight", LINEAR),
+    "latent_out_b": ("fc2_latent_proj.bias", SAME),
 }
 MIXER_NAMES = {"mamba1": _MIXER_V1, "mamba2": _MIXER_V2, "attention": _ATTENTION, "mlp": _MLP, "moe": _MOE}
 

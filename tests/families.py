@@ -37,6 +37,7 @@ def nemotron_h(
     *, seed=0, vocab=48, d_model=32, pattern="M*-M", heads=4, kv_heads=2, head_dim=8, mamba_heads=4,
     mamba_head_dim=8, n_groups=2, d_state=8, chunk_size=4, mlp_width=40, use_bias=False, mlp_bias=False,
     act="relu2", small_dt=True, experts=8, top_k=2, n_group=2, topk_group=1, scale=2.5, norm_topk=True,
+    latent=None,
 ):  # fmt: skip
     """transformers' NemotronHForCausalLM with the layer pattern ``pattern`` (M Mamba-2, * attention, -
     MLP), grouped-query attention and grouped B/C by default. ``small_dt``: the first head of every Mamba
@@ -52,7 +53,7 @@ def nemotron_h(
         ssm_state_size=d_state, conv_kernel=4, chunk_size=chunk_size, use_bias=use_bias, mlp_bias=mlp_bias,
         mlp_hidden_act=act, n_routed_experts=experts, num_experts_per_tok=top_k, n_group=n_group,
         topk_group=topk_group, moe_intermediate_size=24, moe_shared_expert_intermediate_size=36,
-        routed_scaling_factor=scale, norm_topk_prob=norm_topk,
+        routed_scaling_factor=scale, norm_topk_prob=norm_topk, moe_latent_size=latent,
     )  # fmt: skip
     model = _perturb(transformers.NemotronHForCausalLM(cfg), seed)
     with torch.no_grad():  # the choice-only correction bias (a buffer, zero at init)

@@ -36,7 +36,7 @@ OUTPUT_PARAMS = {
     "mamba2": ("out_proj", "out_proj_b"),
     "attention": ("o_proj", "o_b"),
     "mlp": ("down_proj", "down_b"),
-    "moe": ("experts_down", "shared_down", "shared_down_b"),
+    "moe": ("experts_down", "shared_down", "shared_down_b"),  # latent MoE: latent_out(_b), not experts_down
     "parallel": ("out_proj", "out_proj_b", "o_proj", "o_b"),
 }
 MOE_ROUTERS = ("softmax_topk", "softmax_all", "sigmoid_groups")
@@ -109,6 +109,7 @@ class MambaConfig:
     moe_topk_groups: int = 1
     moe_norm_topk: bool = True
     moe_scale: float = 1.0
+    moe_latent: int = 0  # Nemotron-H: the routed experts work in a latent width (0: in d_model)
     # multipliers (Granite): the token embeddings are scaled by embedding_multiplier (inputs_embeds are
     # h^0 as given), the logits divided by logits_scaling; a residual multiplier is folded into each
     # sublayer's output projection when the checkpoint is read
@@ -217,6 +218,9 @@ class MambaConfig:
                     raise ValueError(
                         f"MambaConfig.{name} must be a positive int for MoE layers, found {value!r}"
                     )
+            latent = self.moe_latent
+            if isinstance(latent, bool) or not isinstance(latent, int) or latent < 0:
+                raise ValueError(f"MambaConfig.moe_latent must be an int >= 0 (0: none), found {latent!r}")
             if self.moe_top_k > self.moe_experts or self.moe_router not in MOE_ROUTERS:
                 raise ValueError(
                     f"MambaConfig: moe_top_k {self.moe_top_k} of {self.moe_experts} experts, router "
@@ -417,15 +421,21 @@ def mlp_shapes(c: MambaConfig) -> dict[str, tuple[int, ...]]:
 
 def moe_shapes(c: MambaConfig) -> dict[str, tuple[int, ...]]:
     """A mixture-of-experts sublayer's parameters: router (d, E) (router_bias (E,) for sigmoid_groups:
-    the correction added for the choice only), experts_up (E, d, f), experts_gate (E, d, f) when gated,
-    experts_down (E, f, d); the shared expert shared_up (d, s), shared_gate, shared_down (s, d) and their
-    biases when ``mlp_bias``."""
+    the correction added for the choice only), experts_up (E, d', f), experts_gate (E, d', f) when gated,
+    experts_down (E, f, d') with d' = d, or d' = moe_latent with latent_in (d, d') before the experts and
+    latent_out (d', d) after their weighted sum (biases latent_in_b, latent_out_b when ``mlp_bias``); the
+    shared expert shared_up (d, s), shared_gate, shared_down (s, d) and their biases when ``mlp_bias``."""
     d, E, f, s = c.d_model, c.moe_experts, c.moe_width, c.moe_shared_width
-    out = {"router": (d, E), "experts_up": (E, d, f), "experts_down": (E, f, d)}
+    lat = c.moe_latent or d
+    out = {"router": (d, E), "experts_up": (E, lat, f), "experts_down": (E, f, lat)}
+    if c.moe_latent:
+        out.update(latent_in=(d, lat), latent_out=(lat, d))
+        if c.mlp_bias:
+            out.update(latent_in_b=(lat,), latent_out_b=(d,))
     if c.moe_router == "sigmoid_groups":
         out["router_bias"] = (E,)
     if c.mlp_gated:
-        out["experts_gate"] = (E, d, f)
+        out["experts_gate"] = (E, lat, f)
     if s:
         out.update(shared_up=(d, s), shared_down=(s, d))
         if c.mlp_gated:

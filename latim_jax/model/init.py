@@ -24,10 +24,10 @@ def _dt_bias(key, size, dt_min=1e-3, dt_max=1e-1, floor=1e-4):
 
 # attention and MLP sublayers' matrices (fan-in first) and biases
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "gate_proj", "down_proj", "router",
-                "shared_up", "shared_gate", "shared_down")  # fmt: skip
+                "shared_up", "shared_gate", "shared_down", "latent_in", "latent_out")  # fmt: skip
 _STACKED = ("experts_up", "experts_gate", "experts_down")  # (E, fan_in, fan_out)
 _BIASES = ("q_b", "k_b", "v_b", "o_b", "up_b", "gate_b", "down_b", "shared_up_b", "shared_gate_b",
-           "shared_down_b")  # fmt: skip
+           "shared_down_b", "latent_in_b", "latent_out_b")  # fmt: skip
 
 
 def init_params(config: MambaConfig, seed: int = 0) -> dict:

@@ -10,6 +10,8 @@ expert's width).
                                 chosen, / their sum (+1e-20) when moe_norm_topk, times moe_scale
     o = sum_{chosen e} w_e expert_e(xhat) + shared(xhat)          expert / shared: the MLP form of the
                                                                  config (gated or not, mlp_activation)
+    latent (Nemotron-H's moe_latent_size): the experts read z = xhat W_in + b_in instead,
+                                o = (sum_e w_e expert_e(z)) W_out + b_out + shared(xhat)
 
 Each position's output depends on that position alone: a token-wise kind (latim_jax.latim.tokenwise).
 The experts run densely, one at a time over every position (a scan: memory O(l f), compute E / k times
@@ -22,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from latim_jax.kernels import f32
+from latim_jax.model.layers import linear
 from latim_jax.model.mlp import TokenwiseModule, mlp
 from latim_jax.parallel.context import XLA, Context
 
@@ -35,6 +38,7 @@ class MoEMixer(TokenwiseModule):
     NAMES = (
         "router", "router_bias", "experts_gate", "experts_up", "experts_down",
         "shared_gate", "shared_gate_b", "shared_up", "shared_up_b", "shared_down", "shared_down_b",
+        "latent_in", "latent_in_b", "latent_out", "latent_out_b",
     )  # fmt: skip
 
     def routing(self, x):
@@ -67,13 +71,17 @@ class MoEMixer(TokenwiseModule):
         del mask, ctx
         weights = self.routing(x)  # (b, l, E)
         gate, act = self._get("experts_gate"), self.config.mlp_activation
+        latent = self._get("latent_in") is not None
+        z = linear(x, self.latent_in[...], self._get("latent_in_b")) if latent else x
 
         def expert(acc, e):
             g = None if gate is None else gate[e]
-            y = mlp(x, act, self.experts_up[...][e], self.experts_down[...][e], g)
+            y = mlp(z, act, self.experts_up[...][e], self.experts_down[...][e], g)
             return acc + weights[..., e, None] * y, None
 
-        out, _ = jax.lax.scan(expert, jnp.zeros(x.shape, f32), jnp.arange(self.config.moe_experts))
+        out, _ = jax.lax.scan(expert, jnp.zeros(z.shape, f32), jnp.arange(self.config.moe_experts))
+        if latent:
+            out = linear(out, self.latent_out[...], self._get("latent_out_b"))
         if self._get("shared_up") is not None:
             g = self._get
             out = out + mlp(x, act, g("shared_up"), g("shared_down"), g("shared_gate"), g("shared_up_b"),

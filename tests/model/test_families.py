@@ -34,6 +34,8 @@ VARIANTS = {
     "nemotron_h_mqa": ("nemotron_h", dict(pattern="M-*", kv_heads=1, n_groups=4, head_dim=16)),
     # every layer kind, mixture-of-experts with group-limited sigmoid routing and a correction bias
     "nemotron_h_moe": ("nemotron_h", dict(pattern="M*E-ME", chunk_size=8)),
+    # the experts in a latent width (projections in and out, biased), a biased MLP and shared expert
+    "nemotron_h_latent": ("nemotron_h", dict(pattern="ME-*E", chunk_size=8, latent=12, mlp_bias=True)),
     # softmax over all experts' best two, no renormalisation, one group
     "nemotron_h_moe_flat": (
         "nemotron_h",
@@ -238,8 +240,8 @@ def test_unsupported_layer_kinds_and_fields_name_the_key(tmp_path):
     from latim_jax.convert.hf import config_from_hf
 
     base = {"model_type": "nemotron_h", "hidden_size": 32, "vocab_size": 48}
-    with pytest.raises(CheckpointError, match=r"moe_latent_size.*not supported"):
-        config_from_hf({**base, "layers_block_type": ["mamba", "moe"], "moe_latent_size": 16})
+    with pytest.raises(CheckpointError, match=r"moe_latent_size.*wrong type"):
+        config_from_hf({**base, "layers_block_type": ["mamba", "moe"], "moe_latent_size": "16"})
     with pytest.raises(CheckpointError, match=r"hybrid_override_pattern\[2\].*unknown layer type"):
         config_from_hf({**base, "hybrid_override_pattern": "M*X"})
     with pytest.raises(CheckpointError, match="mystery_field"):
@@ -263,6 +265,25 @@ def test_the_residual_multiplier_is_folded(family_dir, monkeypatch):
     assert rel_err(latim_jax.load(path)(tokens), logits) < TOL
     monkeypatch.setitem(hybrids.FINISH, "granitemoehybrid", lambda data, config, params: params)
     assert rel_err(latim_jax.load(path)(tokens), logits) > 10 * TOL
+
+
+def test_an_output_scale_folds_into_a_latent_moe_once():
+    """fold_output_scale on a latent MoE scales its output by m (latent_out, not experts_down too)."""
+    from latim_jax.convert.hybrids import fold_output_scale
+    from latim_jax.model.config import MambaConfig
+    from latim_jax.model.init import init_params
+
+    config = MambaConfig(
+        version=2, d_model=16, n_layers=1, vocab_size=8, head_dim=8, layer_kinds=("moe",), moe_experts=4,
+        moe_top_k=2, moe_width=8, moe_latent=6, moe_shared_width=8, mlp_bias=True, mlp_activation="relu2",
+    )  # fmt: skip
+    params = init_params(config, 0)
+    layer = MambaLM(config, params).layers[0]
+    x = np.random.default_rng(0).standard_normal((1, 5, 16)).astype(np.float32)
+    before = np.asarray(layer.mixer(x))
+    fold_output_scale(config, params, 0.3)
+    after = np.asarray(MambaLM(config, params).layers[0].mixer(x))
+    np.testing.assert_allclose(after, 0.3 * before, rtol=1e-5, atol=1e-6)
 
 
 def test_every_falcon_h1_multiplier_is_folded(family_dir, monkeypatch):
