@@ -47,6 +47,8 @@ python benchmarks/bench_gradients.py --lengths 256 1024 4096
 python benchmarks/bench_hybrid.py
 # grad_input before / after the gathered target logits (one process, values compared)
 python benchmarks/bench_grad_input.py
+# the collectives of a model-parallel forward / attribute / gradient per layer, and a 7B pod estimate
+python benchmarks/bench_collectives.py --out benchmarks/results/collectives.json
 # this file
 python benchmarks/report.py
 # the PyTorch baseline equals latim-jax (every method, both modes, both versions)
@@ -60,6 +62,7 @@ python benchmarks/gpu_check.py
 # the newest run of each measurement, in the order BENCHMARKS.md shows them
 CURRENT = (
     "hybrid",  # a Nemotron-H-shaped hybrid beside plain Mamba-2 of the same width (issue 25)
+    "collectives",  # what a model-parallel run moves per layer, and a 7B pod estimate (issue 26)
     "grad_input",  # grad_input through the gathered target logits against the whole-logits VJP (issue 26)
     "ab_redesign",  # the redesign (issue 24) against the code before it, same workloads, one job
     "vs_torch_model_512",  # the whole 24-layer 130m model at L = 512 against the fair PyTorch

@@ -80,9 +80,12 @@ def put(x, mesh: Mesh, spec: P):
 
 def gather(tree: Any):
     """Every array of ``tree`` fully on this host (process_allgather where a multi-process array is
-    not fully addressable)."""
+    not fully addressable); traced values (under jit, grad, vmap) pass unchanged: the caller's
+    transformation decides where its outputs live."""
 
     def one(x):
+        if isinstance(x, jax.core.Tracer):
+            return x
         if isinstance(x, jax.Array) and not x.is_fully_addressable:
             return jnp.asarray(multihost_utils.process_allgather(x, tiled=True))
         return x

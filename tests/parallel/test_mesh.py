@@ -81,6 +81,21 @@ SCRIPT = textwrap.dedent(
     want = np.asarray(model(tokens, mask=mask))
     got = model(tokens, mask=mask, mesh=jax.make_mesh((2, 4), ("data", "model")))
     assert rel(np.asarray(got)[mask], want[mask]) < 1e-5
+    # ... and inside jax.jit, the parameters passed as arguments with their shardings (what a pod user's
+    # own jitted step does); the compiled program's collectives as benchmarks/bench_collectives.py reads them
+    import sys
+    from flax import nnx
+    sys.path.insert(0, "benchmarks")
+    from bench_collectives import collectives
+    mesh = jax.make_mesh((1, 8), ("data", "model"))
+    model = latim_jax.MambaLM(CFG[2], init_params(CFG[2], 1))
+    latim_jax.model.sharding.shard(model, mesh)
+    graphdef, state = nnx.split(model)
+    step = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t, mesh=mesh))
+    alone = latim_jax.MambaLM(CFG[2], init_params(CFG[2], 1))
+    assert rel(step(state, tokens), np.asarray(alone(tokens))) < 1e-5
+    found = collectives(step.lower(state, tokens).compile().as_text())
+    assert found["all-reduce"]["count"] >= 2 and found["all-reduce"]["bytes"] > 0, found  # out_proj's sums
     print("OK")
     """
 )
