@@ -142,11 +142,12 @@ def jamba(
 def falcon_h1(
     *, seed=0, vocab=48, d_model=32, n_layers=2, heads=4, kv_heads=2, mamba_heads=4, d_ssm=48, n_groups=2,
     d_state=8, chunk_size=8, rms_norm=True, norm_before_gate=True, mamba_proj_bias=False,
-    projectors_bias=False, attention_bias=False, mlp_bias=False, tied=False, multipliers=True,
+    projectors_bias=False, attention_bias=False, mlp_bias=False, tied=False, multipliers=True, head_dim=None,
 ):  # fmt: skip
     """transformers' FalconH1ForCausalLM: every layer a parallel block (Mamba-2 of width ``d_ssm`` beside
     GQA attention with rotary embeddings) then a SwiGLU MLP; ``multipliers``: every mu-P multiplier set
-    to a distinct value other than 1 (else all 1)."""
+    to a distinct value other than 1 (else all 1). ``d_ssm`` None: the SSM width is mamba_expand * d;
+    ``head_dim``: the attention's, when not d / heads."""
     import torch
     import transformers
 
@@ -165,6 +166,7 @@ def falcon_h1(
         mamba_rms_norm=rms_norm, mamba_norm_before_gate=norm_before_gate, mamba_proj_bias=mamba_proj_bias,
         projectors_bias=projectors_bias, attention_bias=attention_bias, mlp_bias=mlp_bias,
         tie_word_embeddings=tied, rope_parameters={"rope_type": "default", "rope_theta": 1000.0}, **m,
+        **({} if head_dim is None else {"head_dim": head_dim}),
     )  # fmt: skip
     model = _perturb(transformers.FalconH1ForCausalLM(cfg), seed)
     with torch.no_grad():  # in_proj at std 0.02 leaves the SSM's output second order (x * SiLU(z)) beside

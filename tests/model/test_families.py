@@ -55,8 +55,12 @@ VARIANTS = {
     ),
     # every mu-P multiplier, RMSNorm(y) * SiLU(z) after the scan, GQA, two groups
     "falcon_h1": ("falcon_h1", {}),
-    # no SSM norm (so no multiplier of in_proj's segments is normalised away), out_proj biased alone
-    "falcon_h1_nonorm": ("falcon_h1", dict(rms_norm=False, projectors_bias=True, n_layers=3)),
+    # no SSM norm (so no multiplier of in_proj's segments is normalised away), out_proj biased alone; the
+    # SSM as wide as mamba_expand * d (no mamba_d_ssm), 8 heads; attention heads of 12 (not d / heads)
+    "falcon_h1_nonorm": (
+        "falcon_h1",
+        dict(rms_norm=False, projectors_bias=True, n_layers=3, d_ssm=None, mamba_heads=8, head_dim=12),
+    ),
     # no multipliers, the gated norm of mamba_ssm (norm after the gate), biases everywhere (in_proj's
     # and out_proj's apart), tied, MHA, one group
     "falcon_h1_plain": (
@@ -337,7 +341,7 @@ def test_nemotron_h_experts_are_stacked_in_order(family_dir, tmp_path):
         latim_jax.load(tmp_path)
 
 
-@pytest.mark.parametrize("family", ["nemotron_h", "granitemoehybrid"])
+@pytest.mark.parametrize("family", ["nemotron_h", "granitemoehybrid", "falcon_h1"])
 def test_bf16_sharded_hybrid_checkpoints(tmp_path, family):
     """bf16 weights in several safetensors shards (experts split across files): transformers' bf16
     logits to bf16 tolerance, and the same weights read as fp32 match the fp32 model to 1e-5."""
