@@ -12,6 +12,9 @@ memory limits and speed still need a device.
 
 ``LoweringUnsupported`` is raised only when the installed jax genuinely lacks the API (tests turn it
 into ``pytest.skip``); any lowering error from the kernel itself propagates.
+
+:func:`pallas_grids` reads the structure of every ``pallas_call`` a function traces to (its grid and
+each operand's block shape), so that tests check what the kernel launches, not only that it lowers.
 """
 
 from __future__ import annotations
@@ -62,3 +65,41 @@ def lower_for_gpu(fn, *args):
     scope = jax.sharding.use_abstract_mesh(mesh) if mesh is not None else contextlib.nullcontext()
     with scope:
         return _traced(fn, args).lower(lowering_platforms=("cuda",))
+
+
+def _block_dim(entry) -> int | None:
+    """One block-shape entry as an int (a squeezed or size-1 dimension: None)."""
+    if entry is None:
+        return None
+    size = getattr(entry, "block_size", entry)
+    if not isinstance(size, int):  # pl.Squeezed / pl.Element and the like
+        return None
+    return size
+
+
+def pallas_grids(fn, *args) -> list[dict]:
+    """The ``pallas_call``s that ``fn(*args)`` traces to, in order, each as {"name": the kernel's name,
+    "grid": the launch grid, "blocks": each operand's block shape (inputs then outputs; a squeezed
+    dimension as None), "arrays": each operand's full shape}. Tracing only: works for any platform the
+    kernel was asked to build for (its ``platform=`` argument) on this machine."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                gm = eqn.params["grid_mapping"]
+                debug = getattr(eqn.params.get("jaxpr"), "debug_info", None)
+                found.append({
+                    "name": getattr(debug, "func_name", None),
+                    "grid": tuple(int(g) for g in gm.grid),
+                    "blocks": [tuple(_block_dim(x) for x in bm.block_shape) for bm in gm.block_mappings],
+                    "arrays": [tuple(bm.array_aval.shape) for bm in gm.block_mappings],
+                })  # fmt: skip
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, list | tuple) else (value,):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found

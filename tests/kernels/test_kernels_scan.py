@@ -383,6 +383,46 @@ def test_lowers(platform, kernel, vmapped):
     assert CUSTOM_CALL[platform] in text
 
 
+@pytest.mark.parametrize("kernel", ["scan", "ssd"])
+@pytest.mark.parametrize("platform", ["tpu", "gpu"])
+def test_each_variant_launches_the_grid_its_blocks_imply(platform, kernel):
+    """The structure each hardware variant launches (read from the traced pallas_call): one program per
+    (batch, channel or head block, sequence block) on TPU, the sequence walked inside each program on
+    GPU; blocks of the asked sizes; every input position inside the padded arrays the grid covers. Its
+    gradient launches the same kernel once (the backward is the reference's VJP, not a kernel)."""
+    fn, args = _lowering_case(kernel, False)
+    fn = functools.partial(fn, block_sizes=LOWER_BLOCKS, platform=platform, interpret=False)
+    (call,) = lowering.pallas_grids(fn, *args)
+    ceil = lambda a, b: -(-a // b)  # noqa: E731
+    B = LOWER_BLOCKS
+    if kernel == "scan":
+        b, l, e = 2, 300, 256
+        if platform == "tpu":
+            want_grid = (b, e // B.scan_block_e, ceil(l, B.scan_block_l))
+            want = ((None, B.scan_block_l, B.scan_block_e), (b, want_grid[2] * B.scan_block_l, e))
+        else:
+            want_grid = (b, e // B.scan_block_e)
+            want = ((None, l, B.scan_block_e), (b, l, e))
+    else:
+        b, l, h, p = 2, 300, 4, 64
+        lp = ceil(l, B.ssd_chunk) * B.ssd_chunk  # the sequence padded to whole chunks
+        if platform == "tpu":  # a program per chunk, the whole head dim
+            want_grid = (b, h, lp // B.ssd_chunk)
+            want = ((None, None, B.ssd_chunk, p), (b, h, lp, p))
+        else:  # a program per head dim block, the chunks walked inside
+            want_grid = (b, h, p // B.ssd_block_p)
+            want = ((None, lp, None, B.ssd_block_p), (b, lp, h, p))
+    assert call["grid"] == want_grid, call["grid"]
+    assert want in list(zip(call["blocks"], call["arrays"], strict=True)), (want, call["blocks"])
+
+    def loss(*a):
+        y, state = fn(*a)
+        return jnp.sum(y * y) + jnp.sum(state)
+
+    grads = lowering.pallas_grids(jax.value_and_grad(loss, argnums=(0, 1, 4)), *args)
+    assert [c["grid"] for c in grads] == [want_grid]
+
+
 def test_tpu_lowering_rejects_misaligned_blocks():
     fn, args = _lowering_case("scan", False)
     fn = functools.partial(fn, block_sizes=Blocks(scan_block_l=100), platform="tpu", interpret=False)

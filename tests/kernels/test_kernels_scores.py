@@ -223,6 +223,38 @@ def test_lowers_for_hardware(platform, version):
     assert text.count(marker) >= 2
 
 
+@pytest.mark.parametrize("platform", ["tpu", "gpu"])
+@pytest.mark.parametrize("version", [1, 2])
+def test_the_fused_grid_covers_every_row_and_source_once(platform, version):
+    """The launched structure (read from the traced pallas_call) of each hardware variant: one program
+    per (prompt, row tile, source tile, output-channel block[, inner-channel block on TPU]); the output
+    padded to whole tiles by less than one tile; the source tile of the tap values the output's."""
+    f = synthetic_factors(version)
+    K, b, l, e = f.a.shape
+    d = f.W_out.shape[1]
+    rows = jnp.arange(0, 256, 3)  # 86 rows: a ragged last row block
+    (call,) = lowering.pallas_grids(
+        lambda f, rows: fused_layer_scores(f, "l2", rows, platform=platform, interpret=False), f, rows
+    )
+    (_, _, ti, tj), (ob, nd, rp, lp) = call["blocks"][-1], call["arrays"][-1]  # the output
+    assert ob == b and rp % ti == 0 and lp % tj == 0
+    assert 86 <= rp < 86 + ti and l <= lp < l + tj  # every row and source, less than a tile of padding
+    assert call["grid"][:4] == (b, rp // ti, lp // tj, nd)
+    taps = [
+        blk
+        for blk, arr in zip(call["blocks"], call["arrays"], strict=True)
+        if arr in ((b, K, e, l), (b, K, l, e))
+    ]
+    assert taps, call
+    if platform == "tpu":  # (K, e block, source tile): the inner channels are the grid's last axis
+        (blk,) = taps
+        assert blk[3] == tj and call["grid"][4] * blk[2] == e
+    else:  # (K, source tile, all of e): the channels are walked inside the program
+        (blk,) = taps
+        assert blk[2] == tj and blk[3] == e and len(call["grid"]) == 4
+    assert d % nd == 0
+
+
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("platform", ["tpu", "gpu"])
 def test_gradient_lowers_for_hardware(platform):
