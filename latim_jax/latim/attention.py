@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from latim_jax.kernels import f32
 from latim_jax.kernels.block_sizes import Blocks
-from latim_jax.latim.blocking import tiles
+from latim_jax.latim.blocking import DefaultTiles
 from latim_jax.model.attention import logits
 from latim_jax.model.layers import linear
 from latim_jax.parallel.context import XLA, Context
@@ -32,7 +32,7 @@ from latim_jax.parallel.context import XLA, Context
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class AttentionFactors:
+class AttentionFactors(DefaultTiles):
     """One attention sublayer's factors (fp32; see :mod:`latim_jax.latim.kinds` for the interface).
 
     q (b, l, H, a) scaled queries, k and v (b, l, G, a) keys and bias-free values, lse (b, H, l) the
@@ -53,15 +53,6 @@ class AttentionFactors:
 
     kind = "attention"
     channels_first = False
-
-    @property
-    def length(self) -> int:
-        """Sequence length l."""
-        return self.h.shape[1]
-
-    def tiles(self, n_rows: int | None, blocks: Blocks | None) -> Blocks:
-        """The score tiles (Mamba-2's defaults: the same (b, r, q, e) value block per tile)."""
-        return tiles(2, self.length, n_rows, blocks)
 
     def weights(self, rows, j0, width: int):
         """alpha (b, H, r, width) for targets ``rows`` and sources [j0, j0 + width) (0 past the end)."""

@@ -19,13 +19,13 @@ import jax.numpy as jnp
 
 from latim_jax.kernels.block_sizes import Blocks
 from latim_jax.latim import attention, mamba
-from latim_jax.latim.blocking import tiles
+from latim_jax.latim.blocking import DefaultTiles
 from latim_jax.parallel.context import XLA, Context
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class ParallelFactors:
+class ParallelFactors(DefaultTiles):
     """A parallel sublayer's factors: ``ssm_part`` (:class:`latim_jax.latim.mamba.MambaFactors`) and
     ``attn_part`` (:class:`latim_jax.latim.attention.AttentionFactors`) of the two halves; W_out
     (e + H a, d) their output matrices stacked; bias, output, h (b, l, d) and token_total the sums.
@@ -43,15 +43,6 @@ class ParallelFactors:
     kind = "parallel"
     channels_first = False
     parts = ("ssm_part", "attn_part")
-
-    @property
-    def length(self) -> int:
-        """Sequence length l."""
-        return self.h.shape[1]
-
-    def tiles(self, n_rows: int | None, blocks: Blocks | None) -> Blocks:
-        """The score tiles (Mamba-2's defaults)."""
-        return tiles(2, self.length, n_rows, blocks)
 
     def pair_values(self, rows, j0, width: int, blocks: Blocks, *, channels_first: bool = False):
         """V_{ij} = [V^ssm_ij | V^attn_ij]: (b, r, width, e + H a), so that T_i(x_j) = V_{ij} @ W_out."""

@@ -17,13 +17,13 @@ import jax.numpy as jnp
 
 from latim_jax.kernels import f32
 from latim_jax.kernels.block_sizes import Blocks
-from latim_jax.latim.blocking import tiles
+from latim_jax.latim.blocking import DefaultTiles
 from latim_jax.parallel.context import XLA, Context
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class TokenwiseFactors:
+class TokenwiseFactors(DefaultTiles):
     """One token-wise sublayer's factors: output o, h (b, l, d); bias zeros; token_total = o."""
 
     kind: str = dataclasses.field(metadata=dict(static=True))
@@ -34,15 +34,6 @@ class TokenwiseFactors:
 
     channels_first = False
     W_out = None
-
-    @property
-    def length(self) -> int:
-        """Sequence length l."""
-        return self.h.shape[1]
-
-    def tiles(self, n_rows: int | None, blocks: Blocks | None) -> Blocks:
-        """The score tiles (Mamba-2's defaults)."""
-        return tiles(2, self.length, n_rows, blocks)
 
     def pair_values(self, rows, j0, width: int, blocks: Blocks, *, channels_first: bool = False):
         """V_{ij} = T_i(x_j) = [i = j] o_i: (b, r, width, d)."""
