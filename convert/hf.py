@@ -64,6 +64,15 @@ _V2_HANDLED = _COMMON | {"head_dim", "num_heads", "n_groups", "chunk_size", "tim
 _V2_IGNORED = GENERIC_IGNORED | {"time_step_rank", "norm_before_gate"}
 
 
+# SSM families a researcher may bring that latim-jax does not read yet, and why (the error says so)
+NOT_YET = {
+    "zamba2": "its shared attention blocks read the token embeddings beside the stream and feed only "
+    "the next Mamba layer's input, so their exact split runs through that Mamba layer (two hops); "
+    "see docs/guide.md, 'Hybrid models'",
+    "zamba": "Zamba's shared attention blocks are not decomposed yet (as Zamba2's)",
+}
+
+
 def config_from_hf(data: dict[str, Any], *, file: str = CONFIG_FILE) -> MambaConfig:
     """A :class:`MambaConfig` from a Hugging Face ``config.json`` (already parsed).
 
@@ -71,6 +80,11 @@ def config_from_hf(data: dict[str, Any], *, file: str = CONFIG_FILE) -> MambaCon
     silu/swish/relu/identity/linear) and inconsistent duplicates raise :class:`CheckpointError`.
     """
     model_type = data.get("model_type")
+    if model_type in NOT_YET:
+        raise CheckpointError(
+            f"{model_type} checkpoints are not read yet: {NOT_YET[model_type]}", file=file, key="model_type",
+            expected=sorted(MODEL_TYPES), found=model_type,
+        )  # fmt: skip
     if model_type not in MODEL_TYPES:
         raise CheckpointError(
             "not a Mamba config", file=file, key="model_type", expected=sorted(MODEL_TYPES), found=model_type

@@ -315,6 +315,14 @@ def test_directory_without_any_checkpoint(tmp_path):
         read_checkpoint(tmp_path / "absent")
 
 
+def test_a_known_family_not_read_yet_says_why():
+    from latim_jax.convert.hf import config_from_hf
+
+    with pytest.raises(CheckpointError, match=r"zamba2 checkpoints are not read yet: .*two hops") as err:
+        config_from_hf({"model_type": "zamba2", "hidden_size": 32})
+    assert_names(err.value, "config.json", "model_type", "zamba2")
+
+
 def test_unsupported_model_type(tmp_path):
     write_np_hf(tmp_path / "ck", 1, config={**NP_CONFIGS[1], "model_type": "llama"})
     with pytest.raises(CheckpointError) as err:
