@@ -347,9 +347,15 @@ def fold_output_scale(config: MambaConfig, params: dict, m: float) -> None:
         if "latent_out" in layer["mixer"]:  # the experts' sum passes latent_out: scale it, not experts_down
             names = tuple(n for n in names if n != "experts_down") + ("latent_out", "latent_out_b")
         for name in names:
-            if name in layer["mixer"]:
-                w = layer["mixer"][name]
-                layer["mixer"][name] = (np.asarray(w, np.float32) * m).astype(w.dtype)
+            _scale(layer["mixer"], name, m)
+
+
+def _scale(mixer: dict, name: str, m) -> None:
+    """mixer[name] times m (a scalar or an array broadcasting over it), in fp32, its dtype kept; absent
+    parameters are left alone."""
+    if name in mixer:
+        w = mixer[name]
+        mixer[name] = (np.asarray(w, np.float32) * m).astype(w.dtype)
 
 
 _JAMBA_HANDLED = frozenset(
@@ -511,13 +517,15 @@ def falcon_h1_finish(data: dict[str, Any], config: MambaConfig, params: dict) ->
       ``key_multiplier`` (weight and bias); its output times ``attention_out_multiplier``.
     - MLP: act(m_gate x W_gate) (``mlp_multipliers[0]``), the output times ``mlp_multipliers[1]``.
     """
-    get = lambda key: 1.0 if data.get(key) is None else float(data[key])  # noqa: E731
-    gate_m, down_m = data.get("mlp_multipliers") or [1.0, 1.0]
+    # read as falcon_h1_config read (and checked) them: one definition of each field's default
+    f = ConfigFields(data, file="config.json", handled=_FALCON_H1_HANDLED, ignored=_FALCON_H1_IGNORED)
+    get = lambda key: f.float(key, 1.0)  # noqa: E731
+    gate_m, down_m = _multipliers(f, "mlp_multipliers", 2)
     c = config
     e, gn = c.d_inner, c.n_groups * c.d_state
     mup = np.concatenate(
-        [np.full(w, float(m), np.float32) for w, m in
-         zip((e, e, gn, gn, c.n_heads), data.get("ssm_multipliers") or [1.0] * 5, strict=True)]
+        [np.full(w, m, np.float32) for w, m in
+         zip((e, e, gn, gn, c.n_heads), _multipliers(f, "ssm_multipliers", 5), strict=True)]
     )  # fmt: skip
     m_in, k_m = get("attention_in_multiplier"), get("key_multiplier")
     scales = {
@@ -527,15 +535,12 @@ def falcon_h1_finish(data: dict[str, Any], config: MambaConfig, params: dict) ->
             "q_proj": m_in, "k_proj": m_in * k_m, "k_b": k_m, "v_proj": m_in,
             "o_proj": get("attention_out_multiplier"), "o_b": get("attention_out_multiplier"),
         },
-        "mlp": {"gate_proj": float(gate_m), "gate_b": float(gate_m), "down_proj": float(down_m),
-                "down_b": float(down_m)},
+        "mlp": {"gate_proj": gate_m, "gate_b": gate_m, "down_proj": down_m, "down_b": down_m},
     }  # fmt: skip
     for kind, layer in zip(c.kinds, params["layers"], strict=True):
-        mixer = layer["mixer"]
         for name, m in scales[kind].items():
-            if name in mixer and not (np.ndim(m) == 0 and m == 1.0):
-                w = mixer[name]
-                mixer[name] = (np.asarray(w, np.float32) * m).astype(w.dtype)
+            if not (np.ndim(m) == 0 and m == 1.0):
+                _scale(layer["mixer"], name, m)
     return params
 
 

@@ -3,6 +3,8 @@ vocabulary."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 
@@ -135,8 +137,6 @@ def _bytes(n: int) -> str:
 def _config_line(c) -> str:
     """The config's fields as key=value, those at their default value left out (they are many for a
     hybrid: every kind's options exist on every config)."""
-    import dataclasses
-
     defaults = {f.name: f.default for f in dataclasses.fields(c) if f.default is not dataclasses.MISSING}
     if c.version == 2:  # Mamba-1's dt rank (computed from d_model when 0) means nothing for Mamba-2
         defaults["dt_rank"] = c.dt_rank
