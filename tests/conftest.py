@@ -141,3 +141,22 @@ def _release_compiled_programs():
     import jax
 
     jax.clear_caches()
+
+
+def assert_l2_vmap_and_gradient(model, embeds, layers, *, eps=1e-3):
+    """The l2 scores of ``layers`` for each prompt of ``embeds`` (n, l, d): jax.vmap over the prompts
+    equals the Python loop (1e-5), and jax.grad of sum(scores^2) for the first prompt equals the central
+    finite difference with step ``eps`` (2e-3 relative)."""
+    import jax
+    import jax.numpy as jnp
+
+    import latim_jax
+
+    def score(e):
+        return latim_jax.attribute(model, inputs_embeds=e[None], method="l2", layers=layers).scores[0]
+
+    mapped = jax.vmap(score)(embeds)
+    looped = jnp.stack([score(e) for e in embeds])
+    np.testing.assert_allclose(mapped, looped, rtol=1e-5, atol=1e-6)
+    analytic, numeric = directional_fd(lambda e: jnp.sum(score(e) ** 2), (embeds[0],), eps=eps)
+    assert abs(analytic - numeric) <= 2e-3 * max(abs(numeric), 1e-3), (analytic, numeric)

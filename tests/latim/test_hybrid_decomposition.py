@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import directional_fd, rel_err
+from conftest import assert_l2_vmap_and_gradient, rel_err
 
 import latim_jax
 from latim_jax.latim.kinds import layer_factors
@@ -142,15 +142,7 @@ def test_rollout_across_mixed_layers_is_row_stochastic(hybrid):
 def test_vmap_equals_the_loop_and_grad_equals_finite_differences(hybrid):
     tokens = _tokens(3, 12)
     embeds = 50.0 * hybrid.embed(jnp.asarray(tokens))  # O(1) inputs, where eps = 1e-3 is small
-
-    def score(e):
-        return latim_jax.attribute(hybrid, inputs_embeds=e[None], method="l2", layers=[1, 3]).scores[0]
-
-    mapped = jax.vmap(score)(embeds)
-    looped = jnp.stack([score(e) for e in embeds])
-    np.testing.assert_allclose(mapped, looped, rtol=1e-5, atol=1e-6)
-    analytic, numeric = directional_fd(lambda e: jnp.sum(score(e) ** 2), (embeds[0],), eps=1e-3)
-    assert abs(analytic - numeric) <= 2e-3 * max(abs(numeric), 1e-3), (analytic, numeric)
+    assert_l2_vmap_and_gradient(hybrid, embeds, [1, 3])
 
 
 def test_the_factors_of_every_kind_honour_the_interface(hybrid):
