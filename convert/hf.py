@@ -66,10 +66,7 @@ _V2_IGNORED = GENERIC_IGNORED | {"time_step_rank", "norm_before_gate"}
 
 # SSM families a researcher may bring that latim-jax does not read yet, and why (the error says so)
 NOT_YET = {
-    "zamba2": "its shared attention blocks read the token embeddings beside the stream and feed only "
-    "the next Mamba layer's input, so their exact split runs through that Mamba layer (two hops); "
-    "see docs/guide.md, 'Hybrid models'",
-    "zamba": "Zamba's shared attention blocks are not decomposed yet (as Zamba2's)",
+    "zamba": "Zamba (version 1: Mamba-1 layers, one shared block without adapters) is not read; Zamba2 is",
 }
 
 
@@ -114,7 +111,7 @@ def read_hf(directory: str | Path, dtype: Any = None) -> tuple[MambaConfig, dict
     config = config_from_hf(data)
     files = find_weight_files(directory, WEIGHT_CHOICES)
     with open_tensors(files) as tensors:
-        hybrids.prepare_tensors(config, tensors)
+        hybrids.prepare_tensors(config, tensors, data)
         params = params_from_tensors(config, tensors, dtype=dtype)
     finish = hybrids.FINISH.get(config.family)
     return config, (params if finish is None else finish(data, config, params))

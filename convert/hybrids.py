@@ -16,6 +16,7 @@ import numpy as np
 from latim_jax.model.config import OUTPUT_PARAMS, MambaConfig
 
 from .config_fields import ConfigFields
+from .errors import CheckpointError
 from .hf_fields import ACTIVATIONS, GENERIC_IGNORED, build_config
 
 # Nemotron-H's layer names (transformers 5 "layers_block_type", its legacy aliases, and the characters of
@@ -544,20 +545,180 @@ def falcon_h1_finish(data: dict[str, Any], config: MambaConfig, params: dict) ->
     return params
 
 
+_ZAMBA2_HANDLED = frozenset(
+    {
+        "model_type", "hidden_size", "vocab_size", "num_hidden_layers", "layers_block_type", "layer_types",
+        "mamba_d_state", "mamba_d_conv", "mamba_expand", "mamba_ngroups", "n_mamba_heads", "chunk_size",
+        "use_conv_bias", "add_bias_linear", "intermediate_size", "hidden_act", "num_attention_heads",
+        "num_key_value_heads", "num_mem_blocks", "use_shared_attention_adapter", "adapter_rank",
+        "use_mem_rope", "rope_parameters", "rope_theta", "rope_scaling", "rms_norm_eps",
+        "tie_word_embeddings", "time_step_min",
+    }
+)  # fmt: skip
+# transformers recomputes the derived fields from the others whatever the file says (attention width 2d,
+# head dim 2d / H, the Mamba head dim, the hybrid layers' indices); use_long_context only raises
+# max_position_embeddings; the kernels switches choose an implementation, not a function
+_ZAMBA2_IGNORED = (GENERIC_IGNORED - {"time_step_min"}) | {
+    "attention_hidden_size", "attention_head_dim", "mamba_headdim", "kv_channels", "num_query_groups",
+    "hybrid_layer_ids", "use_long_context", "max_position_embeddings", "attention_dropout",
+    "num_logits_to_keep", "use_mamba_kernels", "use_mem_eff_path",
+}  # fmt: skip
+# Zamba2's layer names -> latim-jax kinds ("mamba" is the legacy name of "linear_attention")
+_ZAMBA2_KINDS = {"linear_attention": "mamba2", "mamba": "mamba2", "hybrid": "shared"}
+# the Mamba-2 mixer's gated norm: Zamba2 builds it with this eps whatever rms_norm_eps says
+ZAMBA2_SSM_NORM_EPS = 1e-5
+
+
+def zamba2_layer_kinds(f: ConfigFields) -> tuple[str, ...]:
+    """Each layer's kind from ``layers_block_type``: "shared" for a hybrid layer (the shared transformer
+    block feeding the layer's Mamba-2), "mamba2" otherwise; transformers' default pattern when absent."""
+    n = f.int("num_hidden_layers", 54)
+    key = next((k for k in ("layers_block_type", "layer_types") if f.has(k)), None)
+    names = None if key is None else f.raw(key)
+    if names is None:  # transformers' default pattern (54 layers)
+        names = ["mamba"] + (["mamba"] * 5 + ["hybrid"]) * 7 + ["mamba"] * 4 + ["hybrid"] + ["mamba"] * 3
+        names += ["hybrid"] + ["mamba"] * 2
+        key = "layers_block_type"
+    if not isinstance(names, list) or len(names) != n or any(x not in _ZAMBA2_KINDS for x in names):
+        raise f.error(key, "wrong layer types", f"{n} entries of {sorted(_ZAMBA2_KINDS)}", names)
+    return tuple(_ZAMBA2_KINDS[x] for x in names)
+
+
+def zamba2_config(data: dict[str, Any], file: str) -> MambaConfig:
+    """A :class:`MambaConfig` from transformers' ``Zamba2Config``: one sublayer per layer, "mamba2" or
+    "shared" (a hybrid layer: h + Mamba2(RMSNorm(h + t)), t the shared transformer block's output for
+    [h; embeddings]: attention over 2d channels with head dim 2d / H and scale (a / 2)^-1/2, rotary on the
+    whole head when ``use_mem_rope``, then a gated MLP and a d x d linear map). The blocks' weights are
+    tied every ``num_mem_blocks`` hybrid layers and each layer's adapters are folded into its own copy
+    (:func:`zamba2_tensors`). The Mamba-2's Delta is clamped below at ``time_step_min``."""
+    f = ConfigFields(data, file=file, handled=_ZAMBA2_HANDLED, ignored=_ZAMBA2_IGNORED)
+    kinds = zamba2_layer_kinds(f)
+    d_model = f.int("hidden_size", 2560)
+    heads = f.int("num_attention_heads", 32)
+    kv = f.raw("num_key_value_heads", None)
+    kv = heads if kv is None else f.int("num_key_value_heads")
+    if (2 * d_model) % heads:
+        raise f.error("num_attention_heads", "does not divide the attention width 2 * hidden_size",
+                      f"a divisor of {2 * d_model}", heads)  # fmt: skip
+    if f.bool("use_shared_attention_adapter", False) and kv != heads:
+        why = "the q/k/v adapters output 2 * hidden_size channels: transformers runs them only if kv = heads"
+        raise f.error("num_key_value_heads", why, heads, kv)
+    f.int("adapter_rank", 128)
+    if f.int("num_mem_blocks", 1) < 1:
+        raise f.error("num_mem_blocks", "wrong value", "a positive int", f.raw("num_mem_blocks"))
+    expand, m_heads = f.int("mamba_expand", 2), f.int("n_mamba_heads", 8)
+    if (expand * d_model) % m_heads:
+        raise f.error("n_mamba_heads", "does not divide mamba_expand * hidden_size",
+                      f"a divisor of {expand * d_model}", m_heads)  # fmt: skip
+    eps = f.float("rms_norm_eps", 1e-5)
+    if eps != ZAMBA2_SSM_NORM_EPS:
+        why = f"Zamba2's Mamba-2 gated norm uses eps {ZAMBA2_SSM_NORM_EPS} whatever rms_norm_eps says, and "
+        raise f.error("rms_norm_eps", why + "latim-jax has one eps for both", ZAMBA2_SSM_NORM_EPS, eps)
+    theta = 0.0
+    if f.bool("use_mem_rope", False):
+        theta, _ = _rope(f, 10000.0, 1.0)
+    else:
+        _rope(f, 10000.0, 1.0)  # checked either way
+    a = 2 * d_model // heads
+    bias = f.bool("add_bias_linear", False)
+    return build_config(
+        file, version=2, family="zamba2", d_model=d_model, n_layers=len(kinds), layer_kinds=kinds,
+        vocab_size=f.int("vocab_size", 32000), tie_embeddings=f.bool("tie_word_embeddings", True),
+        d_state=f.int("mamba_d_state", 64), d_conv=f.int("mamba_d_conv", 4), expand=expand,
+        head_dim=expand * d_model // m_heads, n_groups=f.int("mamba_ngroups", 1),
+        chunk_size=f.int("chunk_size", 256), conv_bias=f.bool("use_conv_bias", True), proj_bias=bias,
+        rms_eps=eps, time_step_limit=(f.float("time_step_min", 0.001), math.inf),
+        attn_heads=heads, attn_kv_heads=kv, attn_head_dim=a, attn_scale=(a / 2) ** -0.5, rope_theta=theta,
+        mlp_width=f.raw("intermediate_size", None) and f.int("intermediate_size") or 4 * d_model,
+        mlp_activation=_mlp_activation(f, "hidden_act", "gelu"), mlp_gated=True, mlp_bias=bias,
+    )  # fmt: skip
+
+
+def _check_adapter(tensors, parts: list[str]) -> None:
+    """A low-rank adapter (down (r, in), up (out, r)) must match its weight (out, in)."""
+    weight, down, up = parts
+    for name in parts:
+        if name not in tensors:
+            raise CheckpointError("missing tensor of a shared block", file=tensors.label, key=name,
+                                  expected="a tensor", found="no such key")  # fmt: skip
+    out, inp = tensors.shape(weight)
+    r = tensors.shape(down)[0]
+    for name, want in ((down, (r, inp)), (up, (out, r))):
+        if tensors.shape(name) != want:
+            raise CheckpointError("adapter shape does not match its weight", file=tensors.file_of(name),
+                                  key=name, expected=want, found=tensors.shape(name))  # fmt: skip
+
+
+def zamba2_tensors(config: MambaConfig, tensors, data: dict[str, Any]) -> None:
+    """Give each hybrid layer its own shared-block tensors, in place: Zamba2 stores the block of hybrid
+    layer k (block k % num_mem_blocks) once, under the first hybrid layer using it, with every layer's
+    adapters inside it (adapter slot k); transformers ties the blocks only when ``tie_word_embeddings``
+    (untied, every hybrid layer reads its own stored block, with its adapter in the same slot k); layer
+    k's q, k, v (with ``use_shared_attention_adapter``) and gate|up weights are the block's plus its
+    adapter's product B_k A_k (a LoRA that is always on), and its norms, o_proj and down_proj the
+    block's. The stored originals are consumed; the slots of an untied block that other layers would use
+    are dropped, as transformers never runs them."""
+    f = ConfigFields(data, file="config.json", handled=_ZAMBA2_HANDLED, ignored=_ZAMBA2_IGNORED)
+    n_blocks = f.int("num_mem_blocks", 1)
+    qkv_adapters = f.bool("use_shared_attention_adapter", False)
+    hybrid = [i for i, kind in enumerate(config.kinds) if kind == "shared"]
+    tied = config.tie_embeddings
+    prefix = next((k[: k.index("model.")] for k in tensors.keys() if "model." in k), "")
+    consumed = set()
+    for k, layer in enumerate(hybrid):
+        mine = f"{prefix}model.layers.{layer}.shared_transformer."
+        # transformers ties the blocks only with tie_word_embeddings (untied, each layer keeps its own)
+        owner = f"{prefix}model.layers.{hybrid[k % n_blocks]}.shared_transformer." if tied else mine
+        for name in ("input_layernorm.weight", "pre_ff_layernorm.weight", "self_attn.o_proj.weight",
+                     "feed_forward.down_proj.weight", "feed_forward.down_proj.bias",
+                     "feed_forward.gate_up_proj.bias"):  # fmt: skip
+            if owner + name in tensors:
+                tensors.derive(mine + "own." + name, [owner + name], lambda x: x)
+                consumed.add(owner + name)
+        adapted = [("feed_forward.gate_up_proj", "feed_forward.gate_up_proj_adapter_list")]
+        if qkv_adapters:
+            adapted += [(f"self_attn.{p}_proj", f"self_attn.linear_{p}_adapter_list") for p in "qkv"]
+        else:
+            for p in "qkv":
+                name = f"self_attn.{p}_proj.weight"
+                tensors.derive(mine + "own." + name, [owner + name], lambda x: x)
+                consumed.add(owner + name)
+        for weight, adapters in adapted:
+            slot = f"{owner}{adapters}.{k}."
+            parts = [owner + weight + ".weight", slot + "0.weight", slot + "1.weight"]
+            _check_adapter(tensors, parts)
+            tensors.derive(mine + "own." + weight + ".weight", parts, lambda w, down, up: w + up @ down)
+            consumed.update(parts)
+    owners = {f"{prefix}model.layers.{layer}." for layer in (hybrid[:n_blocks] if tied else hybrid)}
+    for name in tensors.keys():
+        if ".shared_transformer." not in name or ".own." in name:
+            continue
+        if not any(name.startswith(o) for o in owners):  # a tied block stored again: transformers ties it
+            consumed.add(name)
+        elif not tied and "_adapter_list." in name:  # an untied block's other layers' slots: never run
+            consumed.add(name)
+    tensors.consume(sorted(consumed))
+
+
 READERS = {
     "nemotron_h": nemotron_h_config,
     "bamba": bamba_config,
     "granitemoehybrid": granite_config,
     "jamba": jamba_config,
     "falcon_h1": falcon_h1_config,
+    "zamba2": zamba2_config,
 }
 # after the weights are read: what a family folds into them
 FINISH = {"granitemoehybrid": granite_finish, "falcon_h1": falcon_h1_finish}
 
 
-def prepare_tensors(config: MambaConfig, tensors) -> None:
+def prepare_tensors(config: MambaConfig, tensors, data: dict[str, Any]) -> None:
     """Present a family's stored tensors in the layout's form, in place (Nemotron-H and Jamba store each
-    expert's matrices apart: they are stacked into one (E, out, in) tensor per layer and matrix)."""
+    expert's matrices apart: they are stacked into one (E, out, in) tensor per layer and matrix; Zamba2's
+    tied blocks and adapters: :func:`zamba2_tensors`). ``data``: the parsed config.json."""
+    if config.family == "zamba2":
+        zamba2_tensors(config, tensors, data)
+        return
     if config.family not in ("nemotron_h", "jamba") or "moe" not in config.kinds:
         return
     for k, kind in enumerate(config.kinds):

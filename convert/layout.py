@@ -54,8 +54,8 @@ class TorchTensor:
         """The shape the checkpoint must store."""
         if self.orientation == LINEAR:
             return tuple(reversed(self.shape))
-        if self.orientation in (GATE_HALF, UP_HALF):  # one half of a fused (2 out, in) weight
-            return (2 * self.shape[1], self.shape[0])
+        if self.orientation in (GATE_HALF, UP_HALF):  # half of a fused (2 out, in) weight or (2 out,) bias
+            return (2 * self.shape[0],) if len(self.shape) == 1 else (2 * self.shape[1], self.shape[0])
         if self.orientation == STACKED:
             return (self.shape[0], self.shape[2], self.shape[1])
         if self.orientation in (STACKED_GATE_HALF, STACKED_UP_HALF):
@@ -119,8 +119,9 @@ def params_from_tensors(
     _check_all_used(config, tensors, set(found.values()) | ({tied_head} if tied_head else set()))
     params = _empty_tree(config)
     for spec in layout:
-        array = _checked_float(tensors, found[spec.path])
-        _put(params, spec.path, _cast(spec.to_param(array), target))
+        name = found[spec.path]
+        array = _checked_float(tensors, name)  # a derived tensor comes exact (fp32): cast once, here
+        _put(params, spec.path, _cast(spec.to_param(array), target or tensors.stored_dtype(name)))
     if tied_head:
         _check_tied_head(tensors, tied_head, found[("embedding",)])
     return params

@@ -182,7 +182,39 @@ FALCON_H1 = Naming(
     sublayer=_falcon_h1_sublayer, mixers={**MIXER_NAMES, "parallel": _PARALLEL}, root="model.",
 )  # fmt: skip
 
-NAMINGS = {"bamba": BAMBA, "granitemoehybrid": GRANITE, "jamba": JAMBA, "falcon_h1": FALCON_H1}
+
+def _zamba2_sublayer(k: int, kind: str, kinds: tuple) -> tuple[str, str]:
+    """Zamba2: one sublayer per layer; a hybrid layer's Mamba-2 under mamba_decoder, its shared block's
+    tensors under shared_transformer.own. (per-layer copies, adapters folded: convert.hybrids)."""
+    if kind == "shared":
+        return f"model.layers.{k}.mamba_decoder.input_layernorm.weight", f"model.layers.{k}."
+    return f"model.layers.{k}.input_layernorm.weight", f"model.layers.{k}.mamba."
+
+
+_OWN = "shared_transformer.own."
+_SHARED = {name: ("mamba_decoder.mamba." + t, o) for name, (t, o) in _MIXER_V2.items()} | {
+    "attn_norm": (_OWN + "input_layernorm.weight", SAME),
+    "q_proj": (_OWN + "self_attn.q_proj.weight", LINEAR),
+    "k_proj": (_OWN + "self_attn.k_proj.weight", LINEAR),
+    "v_proj": (_OWN + "self_attn.v_proj.weight", LINEAR),
+    "o_proj": (_OWN + "self_attn.o_proj.weight", LINEAR),
+    "ff_norm": (_OWN + "pre_ff_layernorm.weight", SAME),
+    "gate_proj": (_OWN + "feed_forward.gate_up_proj.weight", GATE_HALF),
+    "up_proj": (_OWN + "feed_forward.gate_up_proj.weight", UP_HALF),
+    "gate_b": (_OWN + "feed_forward.gate_up_proj.bias", GATE_HALF),
+    "up_b": (_OWN + "feed_forward.gate_up_proj.bias", UP_HALF),
+    "down_proj": (_OWN + "feed_forward.down_proj.weight", LINEAR),
+    "down_b": (_OWN + "feed_forward.down_proj.bias", SAME),
+    "shared_out": ("linear.weight", LINEAR),
+}
+ZAMBA2 = Naming(
+    embedding=("model.embed_tokens.weight",), norm_f="model.final_layernorm.weight",
+    sublayer=_zamba2_sublayer, mixers={**MIXER_NAMES, "shared": _SHARED}, root="model.",
+)  # fmt: skip
+
+NAMINGS = {
+    "bamba": BAMBA, "granitemoehybrid": GRANITE, "jamba": JAMBA, "falcon_h1": FALCON_H1, "zamba2": ZAMBA2,
+}  # fmt: skip
 
 
 def naming(family: str) -> Naming:

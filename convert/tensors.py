@@ -9,7 +9,7 @@ every key and shape before it reads gigabytes. bfloat16 comes back as ``ml_dtype
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +54,13 @@ class TensorFiles:
         return self._sources[key].name
 
     def read(self, key: str) -> np.ndarray:
-        """The data of ``key`` as a numpy array in its stored dtype."""
+        """The data of ``key`` as a numpy array in its stored dtype (a derived tensor: in fp32, its exact
+        value; :meth:`stored_dtype` says the dtype of its parts)."""
         return self._sources[key].read(key)
+
+    def stored_dtype(self, key: str) -> np.dtype | None:
+        """The dtype a derived tensor's parts are stored in (None for a stored tensor: its array's)."""
+        return getattr(self._sources[key], "stored_dtype", None)
 
     @property
     def label(self) -> str:
@@ -93,6 +98,23 @@ class TensorFiles:
             del self._sources[name]
         self._sources[key] = source
 
+    def derive(self, key: str, parts: Sequence[str], combine: Callable[..., np.ndarray]) -> None:
+        """Add a tensor ``key`` = ``combine(*arrays of parts)`` of the first part's shape, computed in fp32
+        when read (the caller casts it once: :meth:`stored_dtype`); the parts stay (several derived tensors
+        may read one: :meth:`consume` removes them). A missing part raises CheckpointError."""
+        for name in parts:
+            if name not in self._sources:
+                raise CheckpointError(
+                    f"missing tensor (needed for {key})", file=self.label, key=name,
+                    expected=f"shape as {parts[0]}" if name != parts[0] else "a tensor", found="no such key",
+                )  # fmt: skip
+        self._sources[key] = _Derived(self, list(parts), combine)
+
+    def consume(self, names: Sequence[str]) -> None:
+        """Drop the tensors ``names`` (what derived tensors were built from) from the keys."""
+        for name in names:
+            self._sources.pop(name, None)
+
     def _add(self, source: _Source, keys: Sequence[str]) -> None:
         self._opened.append(source)
         self.files.append(source.name)
@@ -128,6 +150,28 @@ class _Stacked:
                 expected=arrays[0].dtype, found=found,
             )  # fmt: skip
         return np.stack(arrays)
+
+    def close(self) -> None:
+        pass
+
+
+class _Derived:
+    """A virtual tensor computed from ``parts`` of ``files`` by ``combine`` (read lazily)."""
+
+    def __init__(self, files: TensorFiles, parts: list[str], combine: Callable[..., np.ndarray]):
+        self._parts = [(name, files._sources[name]) for name in parts]
+        self.name = files.file_of(parts[0])
+        self._shape = files.shape(parts[0])
+        self._combine = combine
+        self.stored_dtype = None  # known once read
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._shape
+
+    def read(self, key: str) -> np.ndarray:
+        arrays = [source.read(name) for name, source in self._parts]
+        self.stored_dtype = arrays[0].dtype
+        return self._combine(*(a.astype(np.float32) for a in arrays))
 
     def close(self) -> None:
         pass

@@ -176,7 +176,41 @@ def falcon_h1(
     return model
 
 
+def zamba2(
+    *, seed=0, vocab=48, d_model=32, types="MSMSS", heads=4, kv_heads=4, mamba_heads=4, n_groups=2, d_state=8,
+    chunk_size=8, mem_blocks=2, adapters=True, rope=True, bias=False, act="gelu", tied=True, mlp_width=40,
+):  # fmt: skip
+    """transformers' Zamba2ForCausalLM with the layer types ``types`` (M a Mamba-2 layer, S a hybrid layer:
+    the shared transformer block feeding that layer's Mamba-2), ``mem_blocks`` tied blocks, per-layer
+    adapters on q, k, v (``adapters``) and always on the MLP's gate|up (perturbed away from zero so that
+    they count), rotary on the shared attention (``rope``)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    names = {"M": "mamba", "S": "hybrid"}
+    cfg = transformers.Zamba2Config(
+        vocab_size=vocab, hidden_size=d_model, num_hidden_layers=len(types),
+        layers_block_type=[names[t] for t in types], mamba_d_state=d_state, n_mamba_heads=mamba_heads,
+        mamba_ngroups=n_groups, chunk_size=chunk_size, num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=mlp_width, num_mem_blocks=mem_blocks, use_shared_attention_adapter=adapters,
+        adapter_rank=4, use_mem_rope=rope, rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+        hidden_act=act, add_bias_linear=bias, tie_word_embeddings=tied,
+    )  # fmt: skip
+    model = _perturb(transformers.Zamba2ForCausalLM(cfg), seed)
+    g = torch.Generator().manual_seed(seed + 2)
+    with torch.no_grad():  # adapters and the shared linear start near zero: raise them so that they count
+        for name, p in model.named_parameters():
+            if "adapter_list" in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+            elif name.endswith(".linear.weight"):
+                p.mul_(10.0)
+    return model
+
+
 BUILDERS = {
+    "zamba2": zamba2,
     "falcon_h1": falcon_h1,
     "jamba": jamba,
     "granitemoehybrid": granite,

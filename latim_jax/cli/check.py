@@ -49,7 +49,7 @@ def reference_model(path, config, params):
 
 # the families whose transformers model lists the embeddings first in hidden_states -> the latim-jax
 # sublayers per transformers layer
-HYBRID_STRIDE = {"nemotron_h": 1, "bamba": 2, "granitemoehybrid": 2, "jamba": 2, "falcon_h1": 2}
+HYBRID_STRIDE = {"nemotron_h": 1, "bamba": 2, "granitemoehybrid": 2, "jamba": 2, "falcon_h1": 2, "zamba2": 1}
 
 
 def transformers_config(config):

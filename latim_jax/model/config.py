@@ -23,9 +23,10 @@ from typing import Any
 
 ACTIVATIONS = ("silu", "relu", "identity")
 MLP_ACTIVATIONS = ("silu", "relu", "relu2", "gelu", "gelu_tanh")
-LAYER_KINDS = ("mamba1", "mamba2", "attention", "mlp", "moe", "parallel")
-# the kinds that hold a softmax attention (a parallel block: Mamba-2 and attention side by side)
-ATTENTION_KINDS = ("attention", "parallel")
+LAYER_KINDS = ("mamba1", "mamba2", "attention", "mlp", "moe", "parallel", "shared")
+# the kinds that hold a softmax attention (a parallel block: Mamba-2 and attention side by side; a
+# shared block: Zamba2's transformer block feeding a Mamba-2's input)
+ATTENTION_KINDS = ("attention", "parallel", "shared")
 # how Mamba-2's output y meets its gate SiLU(z) (Falcon-H1 picks per config): "gated" RMSNorm of
 # y * SiLU(z) (mamba_ssm, transformers' Mamba2), "before_gate" RMSNorm(y) * SiLU(z), "none" y * SiLU(z)
 SSM_NORMS = ("gated", "before_gate", "none")
@@ -38,11 +39,12 @@ OUTPUT_PARAMS = {
     "mlp": ("down_proj", "down_b"),
     "moe": ("experts_down", "shared_down", "shared_down_b"),  # latent MoE: latent_out(_b), not experts_down
     "parallel": ("out_proj", "out_proj_b", "o_proj", "o_b"),
+    "shared": ("out_proj", "out_proj_b"),  # the shared block's output reaches the stream only through the SSM
 }
 MOE_ROUTERS = ("softmax_topk", "softmax_all", "sigmoid_groups")
 # how plots, tables and the CLI name each kind
 KIND_NAMES = {"mamba1": "Mamba-1", "mamba2": "Mamba-2", "attention": "attention", "mlp": "MLP", "moe": "MoE",
-              "parallel": "Mamba-2 + attention"}  # fmt: skip
+              "parallel": "Mamba-2 + attention", "shared": "shared block + Mamba-2"}  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -53,7 +55,10 @@ class MambaConfig:
     post-conv activation of the value path (the output gate is always SiLU, as in the reference).
     ``time_step_limit`` clamps Mamba-2's Delta (the default ``(0, inf)`` is a no-op).
     A "parallel" sublayer (Falcon-H1) runs the Mamba-2 mixer and attention on the same normalised
-    input and adds their outputs (each family's multipliers folded into the weights).
+    input and adds their outputs (each family's multipliers folded into the weights). A "shared"
+    sublayer (Zamba2) is a Mamba-2 sublayer whose input also receives a transformer block's output:
+    h + Mamba2(RMSNorm(h + t)), t = W_s MLP(RMSNorm(Attention(RMSNorm([h; h^0])))) with h^0 the
+    embeddings (the attention reads 2 d channels).
     """
 
     version: int
@@ -177,9 +182,11 @@ class MambaConfig:
             )
         ssm = f"mamba{self.version}"
         for i, kind in enumerate(kinds):
-            wrong = (kind.startswith("mamba") and kind != ssm) or (kind == "parallel" and self.version != 2)
+            needs_v2 = kind in ("parallel", "shared")
+            wrong = (kind.startswith("mamba") and kind != ssm) or (needs_v2 and self.version != 2)
             if kind not in LAYER_KINDS or wrong:
-                allowed = [ssm, "attention", "mlp", "moe"] + (["parallel"] if self.version == 2 else [])
+                allowed = [ssm, "attention", "mlp", "moe"]
+                allowed += ["parallel", "shared"] if self.version == 2 else []
                 raise ValueError(f"MambaConfig.layer_kinds[{i}] is {kind!r}; expected one of {allowed}")
         if self.has_attention:
             for name in ("attn_heads", "attn_kv_heads", "attn_head_dim"):
@@ -200,7 +207,7 @@ class MambaConfig:
                 )
             if self.sliding_window < 0:
                 raise ValueError(f"MambaConfig.sliding_window must be >= 0, found {self.sliding_window}")
-        if "mlp" in kinds:
+        if "mlp" in kinds or "shared" in kinds:
             if isinstance(self.mlp_width, bool) or not isinstance(self.mlp_width, int) or self.mlp_width < 1:
                 raise ValueError(
                     f"MambaConfig.mlp_width must be a positive int for MLP layers, found {self.mlp_width!r}"
@@ -255,6 +262,11 @@ class MambaConfig:
     def has_attention(self) -> bool:
         """Whether some sublayer holds a softmax attention (an "attention" or "parallel" kind)."""
         return any(k in ATTENTION_KINDS for k in self.kinds)
+
+    @property
+    def reads_embeddings(self) -> bool:
+        """Whether some sublayer reads the embeddings h^0 besides its own input (a "shared" kind)."""
+        return "shared" in self.kinds
 
     @property
     def is_hybrid(self) -> bool:
@@ -331,7 +343,8 @@ def param_shapes(config: MambaConfig) -> dict[str, Any]:
         dt_bias (h,), A_log (h,), D (h,), norm_w (e,) (none when ``ssm_norm`` is "none"), out_proj (e, d);
         biases as in Mamba-1 (out_proj_b follows ``out_proj_bias`` when that is set).
     Attention and MLP sublayers: see :func:`attention_shapes`, :func:`mlp_shapes`; a parallel sublayer
-    holds the Mamba-2 mixer's parameters and the attention's in one dict (their names differ).
+    holds the Mamba-2 mixer's parameters and the attention's in one dict (their names differ); a shared
+    sublayer the Mamba-2 mixer's and its transformer block's (:func:`shared_block_shapes`).
     """
     c = config
     e, n, k, d = c.d_inner, c.d_state, c.d_conv, c.d_model
@@ -376,6 +389,8 @@ def param_shapes(config: MambaConfig) -> dict[str, Any]:
         by_kind["parallel"] = {**mixer, **by_kind["attention"]}
     if "mlp" in c.kinds:
         by_kind["mlp"] = mlp_shapes(c)
+    if "shared" in c.kinds:
+        by_kind["shared"] = {**mixer, **shared_block_shapes(c)}
     if "moe" in c.kinds:
         by_kind["moe"] = moe_shapes(c)
     tree: dict[str, Any] = {
@@ -402,6 +417,30 @@ def attention_shapes(c: MambaConfig) -> dict[str, tuple[int, ...]]:
         out.update(q_b=(c.attn_heads * a,), k_b=(c.attn_kv_heads * a,), v_b=(c.attn_kv_heads * a,))
     if c.attn_out_bias:
         out["o_b"] = (d,)
+    return out
+
+
+def shared_block_shapes(c: MambaConfig) -> dict[str, tuple[int, ...]]:
+    """A shared transformer block's parameters (Zamba2; one copy per sublayer, each with its own adapters
+    folded in): attn_norm (2d,) over [h; h^0], the attention's q_proj (2d, H a), k_proj and v_proj
+    (2d, G a), o_proj (H a, d), ff_norm (d,), the gated MLP's gate_proj, up_proj (d, f), down_proj (f, d),
+    and shared_out (d, d), the linear map into the Mamba-2's input; gate_b, up_b (f,), down_b (d,) when
+    ``mlp_bias``."""
+    d, a = c.d_model, c.attn_head_dim
+    out = {
+        "attn_norm": (2 * d,),
+        "q_proj": (2 * d, c.attn_heads * a),
+        "k_proj": (2 * d, c.attn_kv_heads * a),
+        "v_proj": (2 * d, c.attn_kv_heads * a),
+        "o_proj": (c.attn_heads * a, d),
+        "ff_norm": (d,),
+        "gate_proj": (d, c.mlp_width),
+        "up_proj": (d, c.mlp_width),
+        "down_proj": (c.mlp_width, d),
+        "shared_out": (d, d),
+    }
+    if c.mlp_bias:
+        out.update(gate_b=(c.mlp_width,), up_b=(c.mlp_width,), down_b=(d,))
     return out
 
 

@@ -36,6 +36,7 @@ from latim_jax.model.mlp import MLPMixer
 from latim_jax.model.moe import MoEMixer
 from latim_jax.model.parallel_mixer import ParallelMixer
 from latim_jax.model.sharding import context
+from latim_jax.model.shared_block import SharedBlockMixer
 from latim_jax.parallel.context import XLA, Context
 from latim_jax.parallel.mesh import DATA, P, gather, pad_batch, put
 
@@ -75,6 +76,7 @@ MIXERS = {
     "mlp": MLPMixer,
     "moe": MoEMixer,
     "parallel": ParallelMixer,
+    "shared": SharedBlockMixer,
 }
 
 # a prompt of at least this many positions runs in_proj with its pre-norm folded past the product
@@ -83,7 +85,9 @@ FOLD_FROM_LENGTH = 4096
 
 class Block(nnx.Module):
     """Pre-norm residual block: h + Mixer(RMSNorm(h)); ``kind`` is its mixer's layer kind (the Mamba
-    mixer of ``config.version`` unless given).
+    mixer of ``config.version`` unless given). A "shared" block (Zamba2) is h + Mamba2(RMSNorm(h + t))
+    with t its transformer block's output for h and the embeddings h^0
+    (:class:`latim_jax.model.shared_block.SharedBlockMixer`): the norm here is the Mamba-2's.
 
     ``fold_from``: from this prompt length on, in_proj runs with the pre-norm folded past the product
     (:func:`latim_jax.model.layers.normed_linear`; the same value to fp32 rounding, faster on long
@@ -108,6 +112,16 @@ class Block(nnx.Module):
         """Whether the mixer is a Mamba mixer (an in_proj the pre-norm can fold into)."""
         return self.kind.startswith("mamba")
 
+    @property
+    def reads_embeddings(self) -> bool:
+        """Whether the block reads the embeddings h^0 beside its input stream (a "shared" block)."""
+        return self.kind == "shared"
+
+    @property
+    def ssm_mixer(self):
+        """The Mamba mixer whose in_proj the pre-norm feeds (a shared block's ``ssm``)."""
+        return self.mixer.ssm if self.reads_embeddings else self.mixer
+
     def normed(self, h, *, hold_fixed=False):
         """The mixer input xhat = RMSNorm(h), cast to the weight dtype as the reference does;
         ``hold_fixed``: the norm's scale 1 / rms(h) gets no gradient (xhat linear in h)."""
@@ -118,17 +132,39 @@ class Block(nnx.Module):
         """The mixer's in_proj output for xhat = RMSNorm(h), (b, l, in_width) fp32: equal to
         ``mixer.in_projection(self.normed(h))`` (bitwise below ``fold_from`` positions or for non-fp32
         weights, to fp32 rounding from there on: :func:`latim_jax.model.layers.normed_linear`)."""
-        m = self.mixer
+        m = self.ssm_mixer
         return normed_linear(
             h, self.norm[...], m.in_proj[...], self.config.rms_eps, m._get("in_proj_b"),
             fold=h.shape[1] >= self.fold_from, hold_scale=hold_fixed,
         )  # fmt: skip
 
-    def __call__(self, h, *, mask, ctx: Context = XLA):
-        """h (b, l, d) fp32 -> h + o; ``mask`` (b, l) bool of valid positions."""
+    def mixer_input(self, h, embeddings, *, mask, ctx: Context = XLA):
+        """The stream the pre-norm reads: h, or h + t for a shared block (t its transformer's output)."""
+        if not self.reads_embeddings:
+            return h
+        if embeddings is None:
+            raise ValueError(f"a {self.kind!r} block reads the embeddings h^0: pass embeddings (b, l, d)")
+        return h.astype(f32) + self.mixer.transformer(h, embeddings, mask=mask, ctx=ctx)
+
+    def __call__(self, h, *, mask, ctx: Context = XLA, embeddings=None):
+        """h (b, l, d) fp32 -> h + o; ``mask`` (b, l) bool of valid positions; ``embeddings`` (b, l, d)
+        h^0, read by a shared block only."""
+        if self.reads_embeddings:
+            x = self.mixer_input(h, embeddings, mask=mask, ctx=ctx)
+            return h.astype(f32) + self.mixer.ssm(mask=mask, ctx=ctx, projected=self.projected(x))
         if self.is_ssm:
             return h.astype(f32) + self.mixer(mask=mask, ctx=ctx, projected=self.projected(h))
         return h.astype(f32) + self.mixer(self.normed(h), mask=mask, ctx=ctx)
+
+    def step(self, h_t, cache, valid, embeddings=None):
+        """One decoding step of the block: h_t (b, d) -> (h_t + o_t, cache); ``embeddings`` (b, d) the
+        token's h^0 (a shared block reads it)."""
+        if self.reads_embeddings:
+            t, c_attn = self.mixer.transformer_step(h_t, embeddings, cache[0], valid)
+            o, c_ssm = self.mixer.ssm.step(self.normed(h_t + t), cache[1], valid)
+            return h_t + o, (c_attn, c_ssm)
+        o, cache = self.mixer.step(self.normed(h_t), cache, valid)
+        return h_t + o, cache
 
 
 class MambaLM(nnx.Module):
@@ -243,13 +279,18 @@ class MambaLM(nnx.Module):
         scale = self.config.logits_scaling
         return logits if scale == 1.0 else logits / scale
 
-    def run_layers(self, h, mask, ctx: Context = XLA, *, start: int = 0, stop: int | None = None) -> list:
+    def run_layers(
+        self, h, mask, ctx: Context = XLA, *, start: int = 0, stop: int | None = None, embeddings=None
+    ) -> list:
         """[h^start, .., h^stop] the residual streams entering layers start..stop, from h = h^start (all
         layers, and the final stream, when stop is None), one jitted block call per layer (every layer
-        of a kind shares one program)."""
+        of a kind shares one program). ``embeddings``: h^0, which a shared block reads (h itself when
+        start is 0; needed from a later start when the model has such blocks)."""
+        if embeddings is None and start == 0:
+            embeddings = h
         streams = [h]
         for block in self.layers[start : len(self.layers) if stop is None else stop]:
-            h = block_forward(block, h, mask, ctx=ctx)
+            h = block_forward(block, h, mask, ctx=ctx, embeddings=side_input(block, embeddings))
             streams.append(h)
         return streams
 
@@ -287,19 +328,33 @@ class MambaLM(nnx.Module):
     def step(self, token, cache, valid):
         """One decoding step: token ids (b,) -> (logits (b, v), new cache); ``valid`` (b,) bool: False
         marks a padding step, which leaves every cache as the padding would (see mixers)."""
-        h = self.embed(token[:, None])[:, 0]
+        h = e = self.embed(token[:, None])[:, 0]
         new_cache = []
         for block, c in zip(self.layers, cache, strict=True):
-            o, c = block.mixer.step(block.normed(h), c, valid)
-            h = h + o
+            h, c = block.step(h, c, valid, e)
             new_cache.append(c)
         return self.head(h[:, None])[:, 0], new_cache
 
 
 @jit_model_fn(static_argnames=("ctx",))
-def block_forward(block: Block, h, mask, ctx: Context = XLA):
-    """One residual block, jitted once per layer kind (the blocks of a kind share one graph structure)."""
-    return block(h, mask=mask, ctx=ctx)
+def block_forward(block: Block, h, mask, ctx: Context = XLA, embeddings=None):
+    """One residual block, jitted once per layer kind (the blocks of a kind share one graph structure);
+    ``embeddings``: h^0 for a block that reads it (:func:`side_input`)."""
+    return block(h, mask=mask, ctx=ctx, embeddings=embeddings)
+
+
+def side_input(block: Block, embeddings):
+    """What ``block`` receives besides its stream: the embeddings h^0 when it reads them (a shared block;
+    an error naming the block kind when they are missing), else None (so other kinds' jitted programs
+    do not depend on h^0)."""
+    if not block.reads_embeddings:
+        return None
+    if embeddings is None:
+        raise ValueError(
+            f"a {block.kind!r} block reads the embeddings h^0: pass embeddings (b, l, d) when starting "
+            "past layer 0"
+        )
+    return embeddings
 
 
 @jit_model_fn

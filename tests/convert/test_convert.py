@@ -318,9 +318,9 @@ def test_directory_without_any_checkpoint(tmp_path):
 def test_a_known_family_not_read_yet_says_why():
     from latim_jax.convert.hf import config_from_hf
 
-    with pytest.raises(CheckpointError, match=r"zamba2 checkpoints are not read yet: .*two hops") as err:
-        config_from_hf({"model_type": "zamba2", "hidden_size": 32})
-    assert_names(err.value, "config.json", "model_type", "zamba2")
+    with pytest.raises(CheckpointError, match=r"zamba checkpoints are not read yet: .*Zamba2 is") as err:
+        config_from_hf({"model_type": "zamba", "hidden_size": 32})
+    assert_names(err.value, "config.json", "model_type", "zamba")
 
 
 def test_unsupported_model_type(tmp_path):

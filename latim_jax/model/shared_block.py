@@ -1,0 +1,86 @@
+"""Shared-block sublayers (Zamba2): a Mamba-2 sublayer whose input also receives the output of a
+transformer block that reads the stream beside the embeddings (shape letters: see
+latim_jax.model.config; h^0 the embeddings entering layer 0):
+
+    t   = MLP(RMSNorm_ff(Attention(RMSNorm_attn([h; h^0])))) W_s          (no residual inside)
+    out = h + Mamba2(RMSNorm(h + t))                                       (the residual is h, not h + t)
+
+so t reaches the stream only through the Mamba-2's input. The attention reads 2 d channels (head dim
+2 d / H, softmax scale (a / 2)^-1/2, config.attn_scale); its MLP is gated. Zamba2 ties the block's
+weights every ``num_mem_blocks`` hybrid layers and gives each layer its own low-rank adapters on q, k,
+v and the MLP's gate|up projection; the checkpoint reader folds a layer's adapters into its own copy
+of the weights (convert.hybrids), so each sublayer holds plain matrices. The decomposition follows
+a source token through both hops (latim_jax.latim.shared_block).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from latim_jax.kernels import f32
+from latim_jax.model.attention import AttentionMixer
+from latim_jax.model.layers import linear, rms_norm
+from latim_jax.model.mixers import Mamba2Mixer
+from latim_jax.model.mlp import MLPMixer
+from latim_jax.model.params import ParamModule
+from latim_jax.parallel.context import XLA, Context
+
+
+class SharedBlockMixer(ParamModule):
+    """A shared transformer block feeding a Mamba-2 mixer: ``ssm`` (the Mamba-2 mixer), ``attn`` (the
+    attention on [h; h^0]), ``mlp`` (the gated MLP) and its own attn_norm, ff_norm and shared_out, all
+    built from one flat parameter dict (their names differ). The Mamba-2's pre-norm is the block's
+    norm (:class:`latim_jax.model.lm.Block`), which also runs the residual."""
+
+    kind = "shared"
+    NAMES = ("attn_norm", "ff_norm", "shared_out")
+
+    def __init__(self, config, params: dict):
+        super().__init__(config, params)
+        self.ssm = Mamba2Mixer(config, params)
+        self.attn = AttentionMixer(config, params)
+        self.mlp = MLPMixer(config, params)
+
+    def _parts(self):
+        return (super().param_dict(), self.ssm.param_dict(), self.attn.param_dict(), self.mlp.param_dict())
+
+    def param(self, name: str):
+        """The ``nnx.Param`` called ``name``, from whichever part holds it."""
+        for holder in (self, self.ssm, self.attn, self.mlp):
+            if name in ParamModule.param_dict(holder):
+                return getattr(holder, name)
+        raise KeyError(name)
+
+    def param_dict(self) -> dict:
+        """Every part's parameters in one plain dict (the layout of config.param_shapes)."""
+        out = {}
+        for part in self._parts():
+            out.update(part)
+        return out
+
+    def attn_input(self, h, embeddings, *, hold_fixed=False):
+        """RMSNorm_attn([h; h^0]) (b, l, 2d), cast to the weight dtype; ``hold_fixed``: the norm's scale
+        without gradient."""
+        w = self.attn_norm[...]
+        x = jnp.concatenate([h.astype(f32), embeddings.astype(f32)], axis=-1)
+        return rms_norm(x, w, self.config.rms_eps, hold_scale=hold_fixed).astype(w.dtype)
+
+    def ff_input(self, a, *, hold_fixed=False):
+        """RMSNorm_ff of the attention output a (b, l, d), cast to the weight dtype."""
+        w = self.ff_norm[...]
+        return rms_norm(a, w, self.config.rms_eps, hold_scale=hold_fixed).astype(w.dtype)
+
+    def transformer(self, h, embeddings, *, mask, ctx: Context = XLA):
+        """t (b, l, d) fp32: the block's output, which the Mamba-2 reads added to its input stream h."""
+        a = self.attn(self.attn_input(h, embeddings), mask=mask, ctx=ctx)
+        return linear(self.mlp(self.ff_input(a)), self.shared_out[...])
+
+    def init_cache(self, batch: int, max_length: int):
+        """(the attention's keys and values, the Mamba-2's (conv, ssm))."""
+        return self.attn.init_cache(batch, max_length), self.ssm.init_cache(batch, max_length)
+
+    def transformer_step(self, h_t, e_t, cache, valid):
+        """One token: (t_t (b, d), the attention's cache) for the stream h_t and embedding e_t (b, d)."""
+        x = self.attn_input(h_t[:, None], e_t[:, None])[:, 0]
+        a, cache = self.attn.step(x, cache, valid)
+        return linear(self.mlp(self.ff_input(a)[:, None])[:, 0], self.shared_out[...]), cache
