@@ -27,6 +27,7 @@ from latim_jax.latim.request import LayerJob, Request, check_targets, layer_job,
 from latim_jax.latim.scores import DEFAULT_AGGREGATION, kept_pairs, layer_scores, token_sum
 from latim_jax.model.inputs import check_layers, is_traced
 from latim_jax.model.jit import bound_compiled_programs, jit_model_fn
+from latim_jax.model.lm import side_input
 from latim_jax.model.sharding import context
 from latim_jax.parallel.context import Context
 from latim_jax.parallel.mesh import DATA, P, gather, pad_batch, put
@@ -44,13 +45,15 @@ class Contributions:
 
 
 def _layer_input(model, tokens, layer, impl, mask=None, inputs_embeds=None):
-    """(validated layer index, the residual stream entering it, the mask, the context)."""
+    """(validated layer index, the residual stream entering it, the mask, the context, what the layer
+    reads besides: h^0 for a shared block, else None)."""
     if isinstance(layer, bool) or not isinstance(layer, int | np.integer):
         raise ValueError(f"layer must be an int in [0, {model.config.n_layers}), found {layer!r}")
     layer = check_layers(int(layer), model.config.n_layers)[0]
     ctx = context(model, impl)
     x = model.prepare_inputs(tokens, mask, inputs_embeds, ctx)
-    return layer, model.run_layers(x.h, x.mask, ctx, stop=layer)[layer], x.mask, ctx
+    side = side_input(model.layers[layer], x.h)
+    return layer, model.run_layers(x.h, x.mask, ctx, stop=layer)[layer], x.mask, ctx, side
 
 
 def contributions(
@@ -64,13 +67,13 @@ def contributions(
     (b, l, d) instead of token ids.
     """
     check_mode(mode)
-    layer, h, mask, ctx = _layer_input(model, tokens, layer, impl, mask, inputs_embeds)
-    return _layer_contributions(model.layers[layer], h, mask, mode=mode, ctx=ctx)
+    layer, h, mask, ctx, side = _layer_input(model, tokens, layer, impl, mask, inputs_embeds)
+    return _layer_contributions(model.layers[layer], h, mask, side, mode=mode, ctx=ctx)
 
 
 @jit_model_fn(static_argnames=("mode", "ctx"))
-def _layer_contributions(block, h, mask, *, mode, ctx):
-    f = factors(block, h, mask, ctx, mode)
+def _layer_contributions(block, h, mask, embeddings, *, mode, ctx):
+    f = factors(block, h, mask, ctx, mode, embeddings=embeddings)
     T = full_contributions(f) * kept_pairs(jnp.arange(f.length), f.length, mask)[..., None]
     return Contributions(T=T, bias=f.bias, output=f.output)
 
@@ -85,13 +88,13 @@ def conservation_error(
     in fp32); in paper mode it is the approximation.
     """
     check_mode(mode)
-    layer, h, mask, ctx = _layer_input(model, tokens, layer, impl, mask, inputs_embeds)
-    return float(_layer_conservation(model.layers[layer], h, mask, mode=mode, ctx=ctx))
+    layer, h, mask, ctx, side = _layer_input(model, tokens, layer, impl, mask, inputs_embeds)
+    return float(_layer_conservation(model.layers[layer], h, mask, side, mode=mode, ctx=ctx))
 
 
 @jit_model_fn(static_argnames=("mode", "ctx"))
-def _layer_conservation(block, h, mask, *, mode, ctx):
-    f = factors(block, h, mask, ctx, mode)
+def _layer_conservation(block, h, mask, embeddings, *, mode, ctx):
+    f = factors(block, h, mask, ctx, mode, embeddings=embeddings)
     rec = token_sum(f, jnp.arange(f.length)) + f.bias
     valid = mask.astype(f32)
     num = jnp.linalg.norm(rec - f.output, axis=-1) * valid
@@ -249,11 +252,14 @@ def _run(model, x, req: Request, ctx: Context, targets) -> Attribution:
             if job.needs_final:
                 h_in = streams[layer]
             else:
-                h_in = model.run_layers(h, x.mask, ctx, start=at, stop=layer)[-1]
+                h_in = model.run_layers(h, x.mask, ctx, start=at, stop=layer, embeddings=x.h)[-1]
             if job.method == "grad_input":
-                out = {"scores": grad_input_scores(model, h_in, layer, row_idx, targets, x.mask, ctx)}
+                scores = grad_input_scores(model, h_in, layer, row_idx, targets, x.mask, ctx, embeddings=x.h)
+                out = {"scores": scores}
             else:
-                out = score_layer(model.layers[layer], h_in, x.mask, row_idx, direction, job=job, ctx=ctx)
+                block = model.layers[layer]
+                side = side_input(block, x.h)
+                out = score_layer(block, h_in, x.mask, row_idx, direction, side, job=job, ctx=ctx)
             if job.with_next:
                 h, at = out.pop("next"), layer + 1
             out = keep(out)
@@ -376,12 +382,15 @@ def _logit_direction(model, h_final, targets, hold_fixed=False):
 
 
 @jit_model_fn(static_argnames=("job", "ctx"))
-def score_layer(block, h, mask, rows, direction, *, job: LayerJob, ctx: Context):
+def score_layer(block, h, mask, rows, direction, embeddings=None, *, job: LayerJob, ctx: Context):
     """One layer: {"scores" (b, r, l)} plus, for logit, "bias" (b, r) [and "alti" (b, l, l)], and for
     the paper mode "error" (b,): mean over real positions of ||o_i - beta_i - sum_j T_i(x_j)|| / ||o_i||
     (O(l): one scan, the factors' token_total); with_next: "next" = h + o, the stream entering the next
     layer (from this layer's own intermediates: no second scan)."""
-    f = factors(block, h, mask, ctx, job.mode, hold_fixed=job.hold_fixed, with_total=job.with_error)
+    f = factors(
+        block, h, mask, ctx, job.mode, hold_fixed=job.hold_fixed, with_total=job.with_error,
+        embeddings=embeddings,
+    )  # fmt: skip
     aux = None
     if job.method == "logit":
         aux = direction if f.W_out is None else jnp.einsum("bld,ed->ble", direction, f.W_out)

@@ -12,29 +12,35 @@ import jax.numpy as jnp
 
 from latim_jax.kernels import f32
 from latim_jax.latim.scores import finish_scores, safe_norm
-from latim_jax.model.lm import block_forward
+from latim_jax.model.lm import block_forward, side_input
 from latim_jax.parallel.context import XLA, Context
 
 
-def target_logits(model, h, layer: int, rows, targets, mask, ctx: Context = XLA):
+def target_logits(model, h, layer: int, rows, targets, mask, ctx: Context = XLA, embeddings=None):
     """Run layers ``layer..`` on the residual stream h (b, l, d) and return only the asked rows' target
     logits (b, r): logit_{i, w_i} = final_hidden(h_i) . E[w_i] / logits_scaling, the head's own
-    rounding (the weight dtype, fp32 accumulation) on r rows instead of the (b, l, v) logits."""
+    rounding (the weight dtype, fp32 accumulation) on r rows instead of the (b, l, v) logits.
+    ``embeddings``: h^0, which a shared block reads (held: the gradient is the stream's at ``layer``)."""
     for block in model.layers[layer:]:
-        h = block_forward(block, h, mask, ctx=ctx)
+        h = block_forward(block, h, mask, ctx=ctx, embeddings=side_input(block, embeddings))
     w = model.unembedding
     final = model.final_hidden(h[:, rows]).astype(w.dtype)  # (b, r, d)
     rows_w = jnp.take(w, targets[:, rows], axis=0)  # (b, r, d)
     return jnp.einsum("brd,brd->br", final, rows_w, preferred_element_type=f32) / model.config.logits_scaling
 
 
-def grad_input_scores(model, h, layer: int, rows, targets, mask, ctx: Context = XLA):
+def grad_input_scores(model, h, layer: int, rows, targets, mask, ctx: Context = XLA, embeddings=None):
     """Gradient x input scores (b, len(rows), l) of ``layer`` for rows with vocabulary targets (b, l);
     causal and padding pairs are zeroed by :func:`latim_jax.latim.scores.finish_scores`. One
     linearisation of the gathered target logits, then one backward pass per row whose cotangent is a
     one-hot over the r rows (not over (l, v) logits: the head's backward is O(r d) per row)."""
     h = h.astype(f32)
-    _, vjp = jax.vjp(lambda x: target_logits(model, x, layer, rows, targets, mask, ctx), h)
+
+    # at layer 0 the stream is h^0 itself: a shared block's read of it is differentiated too
+    def logits(x):
+        return target_logits(model, x, layer, rows, targets, mask, ctx, x if layer == 0 else embeddings)
+
+    _, vjp = jax.vjp(logits, h)
     b, r = h.shape[0], rows.shape[0]
 
     def one_row(k):

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from latim_jax.kernels import f32
 from latim_jax.kernels.block_sizes import Blocks
-from latim_jax.latim import attention, mamba, parallel_mixer, tokenwise
+from latim_jax.latim import attention, mamba, parallel_mixer, shared_block, tokenwise
 from latim_jax.model.inputs import check_mask
 from latim_jax.parallel.context import XLA, Context, resolve
 
@@ -47,26 +47,32 @@ KINDS = {
     "mlp": tokenwise.factors,
     "moe": tokenwise.factors,
     "parallel": parallel_mixer.factors,
+    "shared": shared_block.factors,
 }
 MODES = mamba.MODES
 check_mode = mamba.check_mode
 
 
-def factors(block, h, mask, ctx: Context = XLA, mode: str = "exact", *, hold_fixed=False, with_total=False):
-    """The factors of ``block`` (its kind's builder from :data:`KINDS`) for the stream h entering it."""
+def factors(
+    block, h, mask, ctx: Context = XLA, mode: str = "exact", *, hold_fixed=False, with_total=False,
+    embeddings=None,
+):  # fmt: skip
+    """The factors of ``block`` (its kind's builder from :data:`KINDS`) for the stream h entering it;
+    ``embeddings``: h^0, passed to a kind that reads it (``block.reads_embeddings``: a shared block)."""
     build = KINDS.get(block.kind)
     if build is None:
         raise ValueError(f"no decomposition for layer kind {block.kind!r}; known kinds: {sorted(KINDS)}")
-    return build(block, h, mask, ctx, mode, hold_fixed=hold_fixed, with_total=with_total)
+    extra = {"embeddings": embeddings} if block.reads_embeddings else {}
+    return build(block, h, mask, ctx, mode, hold_fixed=hold_fixed, with_total=with_total, **extra)
 
 
-def layer_factors(model, h, layer: int, mode: str = "exact", *, mask=None, impl="auto"):
+def layer_factors(model, h, layer: int, mode: str = "exact", *, mask=None, impl="auto", embeddings=None):
     """The factors of ``model.layers[layer]`` for the residual stream h (b, l, d) entering it: a helper for
     tests, benchmarks and exploration (``mask`` (b, l) bool or None for all valid; ``impl`` as
-    :func:`latim_jax.attribute` takes it); ``token_total`` included."""
-    return factors(
-        model.layers[layer], h, check_mask(mask, *h.shape[:2]), resolve(impl), mode, with_total=True
-    )
+    :func:`latim_jax.attribute` takes it; ``embeddings`` h^0 for a shared block); ``token_total``
+    included."""
+    mask = check_mask(mask, *h.shape[:2])
+    return factors(model.layers[layer], h, mask, resolve(impl), mode, with_total=True, embeddings=embeddings)
 
 
 def full_contributions(f, blocks: Blocks | None = None):

@@ -24,7 +24,8 @@ def _dt_bias(key, size, dt_min=1e-3, dt_max=1e-1, floor=1e-4):
 
 # attention and MLP sublayers' matrices (fan-in first) and biases
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "gate_proj", "down_proj", "router",
-                "shared_up", "shared_gate", "shared_down", "latent_in", "latent_out")  # fmt: skip
+                "shared_up", "shared_gate", "shared_down", "latent_in", "latent_out",
+                "shared_out")  # fmt: skip
 _STACKED = ("experts_up", "experts_gate", "experts_down")  # (E, fan_in, fan_out)
 _BIASES = ("q_b", "k_b", "v_b", "o_b", "up_b", "gate_b", "down_b", "shared_up_b", "shared_gate_b",
            "shared_down_b", "latent_in_b", "latent_out_b")  # fmt: skip
@@ -38,7 +39,8 @@ def init_params(config: MambaConfig, seed: int = 0) -> dict:
     Delta biases give Delta log-uniform in [1e-3, 1e-1].
     """
     shapes = param_shapes(config)
-    keys = iter(jax.random.split(jax.random.PRNGKey(seed), 4 + 16 * config.n_layers))  # <= 12 per layer
+    per_layer = 32 if "shared" in config.kinds else 16  # <= 26 keys for a shared layer, <= 12 for the rest
+    keys = iter(jax.random.split(jax.random.PRNGKey(seed), 4 + per_layer * config.n_layers))
     c = config
     out = {
         "embedding": 0.02 * jax.random.normal(next(keys), shapes["embedding"]),
@@ -70,7 +72,7 @@ def init_params(config: MambaConfig, seed: int = 0) -> dict:
                     )
                 else:
                     m[name] = jnp.log(jax.random.uniform(key, shape, minval=1.0, maxval=16.0))
-            elif name in ("D", "norm_w"):
+            elif name in ("D", "norm_w", "attn_norm", "ff_norm"):
                 m[name] = jnp.ones(shape)
             else:  # pragma: no cover - param_shapes and this table must agree
                 raise AssertionError(f"no initialiser for {name}")
