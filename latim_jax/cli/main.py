@@ -236,6 +236,11 @@ def cmd_check(args):
 
 def cmd_info(args):
     """`latim-jax info`: config, task, sizes, layers and vocabulary of a model."""
+    if args.model_option is not None:
+        if args.model is not None:
+            both = f"{args.model!r} and --model {args.model_option!r}"
+            raise UsageError(f"info: the model given twice ({both})")
+        args.model = args.model_option
     model = load_model(args.model)
     print(info.summary(model, resolve(args.model)))
 
@@ -414,6 +419,8 @@ def build_parser() -> Parser:
 
     i = sub.add_parser("info", parents=common, help="config, task, sizes, layers and vocabulary of a model")
     i.add_argument("model", nargs="?", default=None, help=model_help + " (default copy-mamba2)")
+    # the other commands take --model: accepted here too (a positional and --model together is an error)
+    i.add_argument("--model", dest="model_option", default=None, help="the same, as other commands take it")
     i.set_defaults(func=cmd_info)
 
     a = sub.add_parser("attribute", parents=common, help="token-to-token scores for one prompt")

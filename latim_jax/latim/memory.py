@@ -130,6 +130,10 @@ def estimate(
         attn += b * blk.rows * blk.cols * (H * a + 2 * H + d) * f4
         # a parallel sublayer holds both halves' factors at once
         layer = layer + attn if "parallel" in c.kinds else max(layer, attn)
+    if "shared" in c.kinds:  # a source block's two hops: its share of every position's input, (l, cols, .)
+        cols = min(32, L)
+        hops = b * L * cols * (3 * d + c.mlp_width + 5 * e + 2 * c.attn_heads * c.attn_head_dim) * f4
+        layer = max(layer, factors + scan + attn + b * L * c.mlp_width * 2 * f4 + hops)
     if "mlp" in c.kinds:  # the hidden activations; per block the (diagonal) contributions
         layer = max(
             layer, (b * L * c.mlp_width * 2 + 5 * b * L * d) * f4 + b * blk.rows * blk.cols * 2 * d * f4

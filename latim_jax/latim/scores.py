@@ -188,10 +188,11 @@ def factor_specs(f, batch, data):
     """The PartitionSpecs of the factors ``f`` inside the score stage's shard_map: every per-prompt array
     split over "data" (``batch``), the output matrix and the SSM's A, D replicated, the Mamba tap values
     (K, b, l, e) split on their batch axis; a kind made of parts (``parts``: a parallel block) applies
-    this to each part."""
+    this to each part; a kind's arrays without a batch axis (``replicated``: weights) are replicated."""
     specs = jax.tree.map(lambda _: batch, f)
     if getattr(f, "W_out", None) is not None:
         specs = dataclasses.replace(specs, W_out=P())
+    specs = dataclasses.replace(specs, **{name: P() for name in getattr(f, "replicated", ())})
     if has_ssm(f):
         specs = dataclasses.replace(specs, a=P(None, data), ssm=dataclasses.replace(specs.ssm, A=P(), D=P()))
     for name in getattr(f, "parts", ()):

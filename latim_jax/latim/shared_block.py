@@ -81,6 +81,8 @@ class SharedFactors(DefaultTiles):
 
     kind = "shared"
     channels_first = False
+    parts = ("attn_part",)
+    replicated = ("W_up", "W_chain", "W_x", "w_lag", "b_conv", "A", "D")
 
     def tiles(self, n_rows: int | None, blocks: Blocks | None) -> Blocks:
         """One row tile of every asked row (a source block's scan serves all rows at once) and 32 source

@@ -134,6 +134,10 @@ def test_info_prints_config_task_sizes_and_vocabulary(here, capsys):
     assert "vocabulary: 16 ids, from tokenizer.json: 0=<sep> 1=t1 2=t2" in out and "15=t15" in out
     assert main(["info", "without"]) == 0
     assert "no tokenizer" in capsys.readouterr().out
+    assert main(["info", "--model", "copy"]) == 0  # as the other commands take it
+    assert "task: copy" in capsys.readouterr().out
+    assert main(["info", "copy", "--model", "without"]) == 2  # two models: which one?
+    assert "the model given twice" in capsys.readouterr().err
 
 
 def test_info_on_a_shipped_model_shows_its_vocabulary(capsys):

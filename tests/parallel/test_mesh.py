@@ -34,6 +34,10 @@ SCRIPT = textwrap.dedent(
                          chunk_size=4, layer_kinds=("parallel", "mlp"), attn_heads=4, attn_kv_heads=2,
                          attn_head_dim=4, rope_theta=100.0, mlp_width=24, mlp_gated=True,
                          ssm_norm="before_gate"),
+        # Zamba2's shared layer (a transformer block on [h; h^0] feeding a Mamba-2's input) and a Mamba-2
+        "s": MambaConfig(version=2, d_model=16, n_layers=2, vocab_size=32, d_state=4, head_dim=4, n_groups=2,
+                         chunk_size=4, layer_kinds=("shared", "mamba2"), attn_heads=4, attn_kv_heads=2,
+                         attn_head_dim=8, rope_theta=100.0, mlp_width=24, mlp_gated=True, mlp_bias=True),
     }
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 32, (3, 10))  # 3 prompts: not a multiple of the data axis
@@ -54,6 +58,7 @@ SCRIPT = textwrap.dedent(
         ("h", "alti", (2, 4), "xla", "full"),    # every hybrid kind, rows split
         ("h", "logit", (1, 8), "pallas", "long"),  # the kernel for the SSM, the tile loop for the rest
         ("p", "alti", (2, 4), "pallas", "full"),  # a parallel block's two halves, the Pallas scan inside
+        ("s", "logit", (2, 4), "xla", "full"),   # a shared layer's two hops (h^0 beside the stream)
     ]
     for version, method, shape, impl, batch in RUNS:
         params = init_params(CFG[version], 1)
