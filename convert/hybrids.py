@@ -549,7 +549,7 @@ _ZAMBA2_HANDLED = frozenset(
     {
         "model_type", "hidden_size", "vocab_size", "num_hidden_layers", "layers_block_type", "layer_types",
         "mamba_d_state", "mamba_d_conv", "mamba_expand", "mamba_ngroups", "n_mamba_heads", "chunk_size",
-        "use_conv_bias", "add_bias_linear", "intermediate_size", "hidden_act", "num_attention_heads",
+        "add_bias_linear", "intermediate_size", "hidden_act", "num_attention_heads",
         "num_key_value_heads", "num_mem_blocks", "use_shared_attention_adapter", "adapter_rank",
         "use_mem_rope", "rope_parameters", "rope_theta", "rope_scaling", "rms_norm_eps",
         "tie_word_embeddings", "time_step_min",
@@ -557,8 +557,10 @@ _ZAMBA2_HANDLED = frozenset(
 )  # fmt: skip
 # transformers recomputes the derived fields from the others whatever the file says (attention width 2d,
 # head dim 2d / H, the Mamba head dim, the hybrid layers' indices); use_long_context only raises
-# max_position_embeddings; the kernels switches choose an implementation, not a function
+# max_position_embeddings; the kernels switches choose an implementation, not a function; the conv has a
+# bias whatever use_conv_bias says (transformers builds it with bias=True)
 _ZAMBA2_IGNORED = (GENERIC_IGNORED - {"time_step_min"}) | {
+    "use_conv_bias",
     "attention_hidden_size", "attention_head_dim", "mamba_headdim", "kv_channels", "num_query_groups",
     "hybrid_layer_ids", "use_long_context", "max_position_embeddings", "attention_dropout",
     "num_logits_to_keep", "use_mamba_kernels", "use_mem_eff_path",
@@ -626,7 +628,7 @@ def zamba2_config(data: dict[str, Any], file: str) -> MambaConfig:
         vocab_size=f.int("vocab_size", 32000), tie_embeddings=f.bool("tie_word_embeddings", True),
         d_state=f.int("mamba_d_state", 64), d_conv=f.int("mamba_d_conv", 4), expand=expand,
         head_dim=expand * d_model // m_heads, n_groups=f.int("mamba_ngroups", 1),
-        chunk_size=f.int("chunk_size", 256), conv_bias=f.bool("use_conv_bias", True), proj_bias=bias,
+        chunk_size=f.int("chunk_size", 256), conv_bias=True, proj_bias=bias,
         rms_eps=eps, time_step_limit=(f.float("time_step_min", 0.001), math.inf),
         attn_heads=heads, attn_kv_heads=kv, attn_head_dim=a, attn_scale=(a / 2) ** -0.5, rope_theta=theta,
         mlp_width=f.raw("intermediate_size", None) and f.int("intermediate_size") or 4 * d_model,

@@ -6,7 +6,8 @@ maps a kind to the function that builds its factors,
     factors(block, h, mask, ctx, mode, *, hold_fixed, with_total) -> factors of the layer
 
 for the residual stream h (b, l, d) entering it, ``mask`` (b, l) bool of valid positions, the execution
-context and the decomposition mode. The scores, the attribution loop and the conservation checks use
+context and the decomposition mode (a kind that reads the embeddings h^0 beside its stream, Zamba2's
+"shared", also gets ``embeddings=``). The scores, the attribution loop and the conservation checks use
 only this interface of the factors:
 
     kind                       the kind's name
