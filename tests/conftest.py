@@ -160,3 +160,15 @@ def assert_l2_vmap_and_gradient(model, embeds, layers, *, eps=1e-3):
     np.testing.assert_allclose(mapped, looped, rtol=1e-5, atol=1e-6)
     analytic, numeric = directional_fd(lambda e: jnp.sum(score(e) ** 2), (embeds[0],), eps=eps)
     assert abs(analytic - numeric) <= 2e-3 * max(abs(numeric), 1e-3), (analytic, numeric)
+
+
+def assert_attention_map_and_pallas(model, tokens, layer: int):
+    """The hidden attention of ``layer`` (a kind whose map is a softmax attention's: parallel, shared) has
+    rows summing to 1, and the l2 scores with ``impl="pallas"`` equal XLA's (2e-5)."""
+    import latim_jax
+
+    a = latim_jax.attribute(model, tokens, method="hidden_attention", layers=[layer])
+    np.testing.assert_allclose(a.scores.sum(-1), 1.0, rtol=1e-5)  # softmax rows (an SSM's are not)
+    xla = latim_jax.attribute(model, tokens, method="l2", impl="xla")
+    pallas = latim_jax.attribute(model, tokens, method="l2", impl="pallas")
+    assert rel_err(pallas.scores, xla.scores) < 2e-5

@@ -10,7 +10,7 @@ from conftest import rel_err
 
 import latim_jax
 from latim_jax.latim.kinds import KINDS, factors, layer_factors
-from latim_jax.model import attention, mixers, mlp, moe, parallel_mixer
+from latim_jax.model import attention, mixers, mlp, moe, parallel_mixer, shared_block
 from latim_jax.model.config import LAYER_KINDS
 from latim_jax.model.init import init_params
 from latim_jax.model.lm import MIXERS
@@ -23,7 +23,7 @@ def test_every_layer_kind_has_a_module_and_a_decomposition():
     # every module class of the model package that names a kind is registered
     named = {
         cls.kind
-        for module in (mixers, attention, mlp, moe, parallel_mixer)
+        for module in (mixers, attention, mlp, moe, parallel_mixer, shared_block)
         for cls in vars(module).values()
         if isinstance(cls, type) and issubclass(cls, ParamModule) and cls.kind
     }

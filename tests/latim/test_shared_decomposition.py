@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_l2_vmap_and_gradient, rel_err
+from conftest import assert_attention_map_and_pallas, assert_l2_vmap_and_gradient, rel_err
 
 import latim_jax
 from latim_jax.latim.kinds import factors, full_contributions
@@ -127,12 +127,7 @@ def test_grad_input_at_layer_0_reads_the_embeddings_both_ways(model):
 
 
 def test_hidden_attention_is_the_shared_attentions_weights_and_pallas_equals_xla(model):
-    tokens = _tokens()
-    a = latim_jax.attribute(model, tokens, method="hidden_attention", layers=[0])
-    np.testing.assert_allclose(a.scores.sum(-1), 1.0, rtol=1e-5)  # softmax rows
-    xla = latim_jax.attribute(model, tokens, method="l2", impl="xla")
-    pallas = latim_jax.attribute(model, tokens, method="l2", impl="pallas")
-    assert rel_err(pallas.scores, xla.scores) < 2e-5
+    assert_attention_map_and_pallas(model, _tokens(), 0)
 
 
 def test_vmap_equals_the_loop_and_grad_equals_finite_differences(model):
