@@ -34,11 +34,12 @@ pallas-notes is not implemented yet.
 Glossary: b batch, l length, r target rows, d model width, e inner width, n state size, h heads,
 p head dim, g groups, k conv taps (K of them), ti/tj tile rows/columns, dt d tile, ec e chunk.
 
-Order of this file: forward drivers, custom_vjp public function; the kernel bodies (tile math, TPU and
+Order of this file: forward drivers, custom_jvp public function; the kernel bodies (tile math, TPU and
 GPU kernels) are in kernels/fused_scores_tiles.py, the elementwise decay entry they share with the XLA
 path in kernels/decay.py. The reference is the library's blocked pure-JAX score path
 (:func:`latim_jax.latim.scores.blocked_scores`), passed in as ``reference`` (kernels import nothing
-above them): the backward is its VJP and the tests compare the two.
+above them): the derivative is its JVP (rematerialised; reverse mode transposes it) and the tests
+compare the two.
 """
 
 from __future__ import annotations
@@ -398,33 +399,33 @@ def _fused_forward(f, method, rows, aux, config):
 
 
 # --------------------------------------------------------------------------------------------------
-# Public function: custom_vjp whose backward is the VJP of the given pure-JAX reference.
+# Public function: custom_jvp whose tangent is the JVP of the given pure-JAX reference, rematerialised.
 # --------------------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 4))
-def _fused_custom_vjp(f, method, rows, aux, config):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 4))
+def _fused_custom(f, method, rows, aux, config):
     return _fused_forward(f, method, rows, aux, config)
 
 
-def _fused_fwd(f, method, rows, aux, config):
-    return _fused_forward(f, method, rows, aux, config), (f, rows, aux)
-
-
-def _fused_bwd(method, config, residuals, cotangent):
+@_fused_custom.defjvp
+def _fused_jvp(method, config, primals, tangents):
+    """The kernel's value; the tangent is the reference's JVP under ``jax.checkpoint``: reverse mode
+    (linearise, then transpose) keeps only the inputs and recomputes the reference in the backward, as
+    a VJP of it would, and forward mode (jvp, jacfwd) runs the reference's JVP. A custom_vjp had the
+    same backward but refused forward mode."""
     reference = config[-1]
     if reference is None:
         raise ValueError(
-            "fused_layer_scores was called without reference=: its backward is the VJP of the pure-JAX "
-            "reference (latim_jax.latim.scores.blocked_scores), so pass one to differentiate"
+            "fused_layer_scores was called without reference=: its derivative is the pure-JAX "
+            "reference's (latim_jax.latim.scores.blocked_scores), so pass one to differentiate"
         )
-    f, rows, aux = residuals
-    _, vjp = jax.vjp(lambda f_, aux_: reference(f_, method, rows, aux_), f, aux)
-    df, daux = vjp(cotangent)
-    return df, None, daux
-
-
-_fused_custom_vjp.defvjp(_fused_fwd, _fused_bwd)
+    f, rows, aux = primals
+    df, _, daux = tangents
+    out = _fused_custom(f, method, rows, aux, config)
+    ref = jax.checkpoint(lambda f_, aux_: reference(f_, method, rows, aux_))
+    _, tangent = jax.jvp(ref, (f, aux), (df, daux))
+    return out, tangent
 
 
 def fused_layer_scores(
@@ -446,7 +447,8 @@ def fused_layer_scores(
     readout q). rows: (r,) int target positions. block_sizes: :class:`~latim_jax.kernels.block_sizes.
     Blocks` (None fields: ``Blocks.for_platform``'s). precision: "float32" (HIGHEST matmuls) or
     "bfloat16" (DEFAULT). reference: ``reference(f, method, rows, aux) -> (b, r, l)``, the pure-JAX
-    path this kernel equals to fp32 rounding; the backward is its VJP (None: not differentiable).
+    path this kernel equals to fp32 rounding; the derivative is its (rematerialised) JVP, in either
+    mode (None: not differentiable).
     platform: "tpu" | "gpu" kernel variant (None: the default backend; on CPU the TPU variant);
     interpret: None runs interpret mode exactly on CPU. vmappable.
     """
@@ -463,4 +465,4 @@ def fused_layer_scores(
     if f.ssm.version == 2 and f.ssm.heads % f.ssm.B.shape[2]:
         raise ValueError(f"heads h={f.ssm.heads} must be a multiple of groups g={f.ssm.B.shape[2]}")
     aux = None if method != "logit" else aux
-    return _fused_custom_vjp(f, method, rows, aux, (block_sizes, precision, target, interpret, reference))
+    return _fused_custom(f, method, rows, aux, (block_sizes, precision, target, interpret, reference))

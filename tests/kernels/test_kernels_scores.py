@@ -148,7 +148,7 @@ def test_vmap_over_prompts_equals_loop():
     assert float(jnp.max(looped)) > 0
 
 
-def test_grad_through_custom_vjp_matches_reference():
+def test_grad_through_custom_jvp_matches_reference():
     f = prefix(factors("m2g1", "paper"), 6)
     rows = jnp.asarray([5, 2])
     aux = readout(f)
@@ -174,6 +174,28 @@ def test_grad_through_custom_vjp_matches_reference():
     loss_fn = jax.jit(lambda f, aux: jnp.sum(weights * kernel(f, "logit", rows, aux=aux)))
     analytic, numeric = directional_fd(loss_fn, (f, aux), eps=1e-3)
     assert abs(analytic - numeric) <= TOL["fd"] * abs(numeric), (analytic, numeric)
+
+
+def test_forward_mode_through_the_kernel_equals_the_reference():
+    """jax.jvp through the kernel (a custom_jvp: forward mode works) equals the reference's JVP, and both
+    equal the central finite difference of the kernel's own forward along the same direction."""
+    f = prefix(factors("m1", "exact"), 6)
+    rows = jnp.asarray([5, 3])
+    kernel = functools.partial(
+        fused_layer_scores, block_sizes=Blocks(rows=2, cols=4, e=16), reference=blocked_scores
+    )
+    leaves, tree = jax.tree.flatten(f)
+    keys = jax.random.split(jax.random.key(2), len(leaves))
+    normal = [jax.random.normal(k, x.shape) for k, x in zip(keys, leaves, strict=True)]
+    direction = jax.tree.unflatten(tree, normal)
+    fn = lambda scores_fn: jax.jit(lambda f: jnp.sum(scores_fn(f, "l2", rows) ** 2))  # noqa: E731
+    _, got = jax.jvp(fn(kernel), (f,), (direction,))
+    _, want = jax.jvp(fn(blocked_scores), (f,), (direction,))
+    assert abs(float(got - want)) <= TOL["grad"] * abs(float(want)), (got, want)
+    analytic, numeric = directional_fd(fn(kernel), (f,), eps=1e-3)
+    assert abs(analytic - numeric) <= TOL["fd"] * abs(numeric), (analytic, numeric)
+    jacobian = jax.jacfwd(lambda a: kernel(dataclasses.replace(f, a=a), "l2", rows))(f.a)
+    assert jacobian.shape == (*kernel(f, "l2", rows).shape, *f.a.shape)
 
 
 def test_rejects_unknown_method_and_missing_readout():
