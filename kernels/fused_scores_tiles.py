@@ -1,5 +1,5 @@
 """Tile bodies of the fused LaTIM score kernel (kernels/fused_scores.py holds the block sizes, the
-drivers that call these through pallas_call, the custom_vjp and the reference; its docstring states
+drivers that call these through pallas_call, the custom_jvp and the reference; its docstring states
 the maths and the two layouts).
 
 Every function here runs inside a kernel on one (target block ti) x (source block tj) x (d tile) tile.

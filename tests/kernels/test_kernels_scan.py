@@ -192,7 +192,7 @@ def test_ssd_kernel_chunk_differs_from_call_chunk():
 
 
 # --------------------------------------------------------------------------------------------------
-# vmap over a leading prompt axis == python loop; grad through the custom_vjp == grad of the reference
+# vmap over a leading prompt axis == python loop; grad through the custom_jvp == grad of the reference
 # --------------------------------------------------------------------------------------------------
 
 
@@ -236,7 +236,7 @@ def _assert_grads_close(grads, ref_grads):
         assert np.any(np.asarray(r) != 0), i
 
 
-# (variant, with initial state): each custom_vjp backward branch once; the wrapper is shared by variants.
+# (variant, with initial state): each custom_jvp branch once; the wrapper is shared by variants.
 GRAD_CASES = [("tpu", True), ("gpu", False)]
 
 

@@ -4,7 +4,7 @@
 Interpret mode on CPU for both kernel variants ("tpu": e-chunk axis with a VMEM accumulator; "gpu":
 in-kernel loop over heads / channel chunks), on tiny random Mamba-1 and Mamba-2 (groups 1 and 2)
 models, exact and paper factors, all four scores per compile (compiles dominate the run time);
-then vmap, grad through the custom_vjp, and the real TPU (Mosaic) and GPU (Triton) lowerings.
+then vmap, grad and jvp through the custom_jvp, and the real TPU (Mosaic) and GPU (Triton) lowerings.
 """
 
 from __future__ import annotations
