@@ -93,7 +93,8 @@ class MambaFactors:
 def factors(
     block, h, mask, ctx: Context = XLA, mode: str = "exact", *, hold_fixed=False, with_total=False
 ) -> MambaFactors:
-    """The factors of one Mamba block (a :class:`latim_jax.model.lm.Block`) for its input stream h.
+    """The factors of one Mamba block (a :class:`latim_jax.model.lm.Block`, or a block holding a Mamba
+    mixer beside other parts: its ``ssm_mixer`` and ``projected``) for the stream h its norm reads.
 
     Padding (``mask`` (b, l) False) is skipped by the mixer (zero conv input and Delta), and its
     sources get zero tap values a, so a pad position contributes exactly nothing to any target.
@@ -103,7 +104,7 @@ def factors(
     ``with_total``: also build ``token_total`` (one more scan; what the paper-mode error needs).
     """
     check_mode(mode)
-    mixer, cfg = block.mixer, block.config
+    mixer, cfg = block.ssm_mixer, block.config
     xz = block.projected(h, hold_fixed=hold_fixed)
     inter = mixer.intermediates(mask=mask, ctx=ctx, hold_fixed=hold_fixed, projected=xz)
     e, K = cfg.d_inner, cfg.d_conv

@@ -67,6 +67,10 @@ class _Half:
     def config(self):
         return self.block.config
 
+    @property
+    def ssm_mixer(self):
+        return self.mixer
+
     def normed(self, h, *, hold_fixed=False):
         return self.block.normed(h, hold_fixed=hold_fixed)
 

@@ -167,24 +167,6 @@ class _Attention:
         return self.block.mixer.attn_input(h, self.embeddings, hold_fixed=hold_fixed)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Mamba:
-    """The Mamba-2 half seen as a Mamba block of its input stream s = h + t."""
-
-    block: object
-
-    @property
-    def config(self):
-        return self.block.config
-
-    @property
-    def mixer(self):
-        return self.block.mixer.ssm
-
-    def projected(self, s, *, hold_fixed=False):
-        return self.block.projected(s, hold_fixed=hold_fixed)
-
-
 def _held(x, hold_fixed):
     return jax.lax.stop_gradient(x) if hold_fixed else x
 
@@ -218,10 +200,10 @@ def factors(
     # the MLP's biases and the forward's roundings (t_bias = t - t_tokens, held under hold_fixed), so
     # that s = h + t_tokens + t_bias is the forward's h + t and, held, linear in the tokens' values
     t_tokens = linear(((a.output - a.bias) * ff_scale) @ W_up * act_gate, W_chain)
-    t = mixer.transformer(h, embeddings, mask=mask, ctx=ctx)
+    t = mixer.feed_forward(a.output)  # the forward's t: the attention's output is the factors' own
     t_bias = _held(t - t_tokens, hold_fixed)
     s = h.astype(f32) + t_tokens + t_bias  # the Mamba-2's input stream
-    m = mamba.factors(_Mamba(block), s, mask, ctx, mode, hold_fixed=hold_fixed, with_total=with_total)
+    m = mamba.factors(block, s, mask, ctx, mode, hold_fixed=hold_fixed, with_total=with_total)
     ssm, e = mixer.ssm, cfg.d_inner
     m_scale = block.norm[...].astype(f32) / _rms(s, cfg.rms_eps, hold_fixed)
     W_x = ssm.in_proj[...].astype(f32)[:, e : 2 * e]
@@ -237,37 +219,25 @@ def factors(
     ubias = u_tbias + b_in * valid
     b_conv = ssm._get("conv_b")
     b_conv = jnp.zeros((e,), f32) if b_conv is None else b_conv.astype(f32)[:e]
+    w_lag = ssm.conv_w[...].astype(f32)[::-1, :e]
     conv = causal_conv(u, ssm.conv_w[...], ssm._get("conv_b"))[..., :e]
     s_gate = _held(activation_gate(cfg.activation, conv), hold_fixed)
     bias, total = m.bias, m.token_total
     if mode == "exact":  # the block's bias part runs the Mamba-2's value path too: beta, not any token's
-        w_lag = ssm.conv_w[...].astype(f32)[::-1, :e]
         v = s_gate * sum(w_lag[k] * _shift(u_tbias, k) for k in range(w_lag.shape[0]))
-        from_bias = linear(mamba.value_scan(ssm, _scan_inputs(m), v, ctx) * m.G, m.W_out)
+        from_bias = linear(mamba.value_scan(ssm, m.ssm, v, ctx) * m.G, m.W_out)
         bias = bias + from_bias
         total = None if total is None else total - from_bias
     f = SharedFactors(
         mode=mode, chunk=cfg.chunk_size, act=cfg.activation, attn_part=a, ff_scale=ff_scale,
         act_gate=act_gate, W_up=W_up, W_chain=W_chain, m_scale=m_scale, W_x=W_x, ubias=ubias,
-        w_lag=ssm.conv_w[...].astype(f32)[::-1, :e], b_conv=b_conv, s_gate=s_gate, delta=m.ssm.delta,
+        w_lag=w_lag, b_conv=b_conv, s_gate=s_gate, delta=m.ssm.delta,
         B=m.ssm.B, C=m.ssm.C, A=m.ssm.A, D=m.ssm.D, G=m.G, W_out=m.W_out, valid=mask.astype(f32),
         bias=bias, output=m.output, h=h.astype(f32), token_total=None,
     )  # fmt: skip
     if with_total and mode == "paper":  # no O(l) form through two hops: every source block's sum
         total = linear(_source_sum(f), m.W_out)
     return dataclasses.replace(f, token_total=total)
-
-
-def _scan_inputs(m):
-    """What :func:`latim_jax.latim.mamba.value_scan` reads of the forward's intermediates."""
-    return _ScanInputs(delta=m.ssm.delta, B=m.ssm.B, C=m.ssm.C)
-
-
-@dataclasses.dataclass(frozen=True)
-class _ScanInputs:
-    delta: jax.Array
-    B: jax.Array
-    C: jax.Array
 
 
 def _source_sum(f: SharedFactors, width: int = 32):

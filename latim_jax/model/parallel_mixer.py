@@ -13,34 +13,21 @@ from __future__ import annotations
 
 from latim_jax.model.attention import AttentionMixer
 from latim_jax.model.mixers import Mamba2Mixer
-from latim_jax.model.params import ParamModule
+from latim_jax.model.params import ComposedModule
 from latim_jax.parallel.context import XLA, Context
 
 
-class ParallelMixer(ParamModule):
+class ParallelMixer(ComposedModule):
     """Mamba-2 and attention side by side on one input: ``ssm`` and ``attn`` are the two halves, built
     from one parameter dict (their parameter names differ: in_proj, conv_w, ... and q_proj, k_proj, ...)."""
 
     kind = "parallel"
+    PARTS = ("ssm", "attn")
 
     def __init__(self, config, params: dict):
         self.config = config
         self.ssm = Mamba2Mixer(config, params)
         self.attn = AttentionMixer(config, params)
-
-    def param(self, name: str):
-        """The ``nnx.Param`` called ``name``, from whichever half holds it."""
-        half = self.ssm if name in self.ssm.param_dict() else self.attn
-        return getattr(half, name)
-
-    def _get(self, name):
-        """The named parameter's array (either half), or None."""
-        value = self.ssm._get(name)
-        return self.attn._get(name) if value is None else value
-
-    def param_dict(self) -> dict:
-        """Both halves' parameters in one plain dict (the layout of config.param_shapes)."""
-        return {**self.ssm.param_dict(), **self.attn.param_dict()}
 
     def __call__(self, x, *, mask, ctx: Context = XLA):
         """o (b, l, d) fp32 = the Mamba-2 output plus the attention output for the normalised input x."""

@@ -33,3 +33,36 @@ class ParamModule(nnx.Module):
     def param_dict(self) -> dict:
         """The module's parameters as a plain dict of arrays (the layout of config.param_shapes)."""
         return {n: getattr(self, n)[...] for n in self.NAMES if hasattr(self, n)}
+
+
+class ComposedModule(ParamModule):
+    """A module made of other sublayer modules built from the same flat parameter dict (``PARTS``: the
+    attributes holding them; their parameter names differ) plus its own ``NAMES``: a parameter is looked
+    up in whichever holds it, and all of them are listed as one flat dict (the checkpoint layout)."""
+
+    PARTS: tuple[str, ...] = ()
+
+    def _holders(self) -> tuple[ParamModule, ...]:
+        return (self, *(getattr(self, part) for part in self.PARTS))
+
+    def param(self, name: str):
+        """The ``nnx.Param`` called ``name``, from whichever part (or the module itself) holds it."""
+        for holder in self._holders():
+            if name in ParamModule.param_dict(holder):
+                return getattr(holder, name)
+        raise KeyError(f"{type(self).__name__} has no parameter {name!r}")
+
+    def _get(self, name):
+        """The named parameter's array, from whichever holds it, or None."""
+        for holder in self._holders():
+            value = ParamModule._get(holder, name)
+            if value is not None:
+                return value
+        return None
+
+    def param_dict(self) -> dict:
+        """Every holder's parameters in one plain dict (the layout of config.param_shapes)."""
+        out = {}
+        for holder in self._holders():
+            out.update(ParamModule.param_dict(holder))
+        return out

@@ -22,11 +22,11 @@ from latim_jax.model.attention import AttentionMixer
 from latim_jax.model.layers import linear, rms_norm
 from latim_jax.model.mixers import Mamba2Mixer
 from latim_jax.model.mlp import MLPMixer
-from latim_jax.model.params import ParamModule
+from latim_jax.model.params import ComposedModule
 from latim_jax.parallel.context import XLA, Context
 
 
-class SharedBlockMixer(ParamModule):
+class SharedBlockMixer(ComposedModule):
     """A shared transformer block feeding a Mamba-2 mixer: ``ssm`` (the Mamba-2 mixer), ``attn`` (the
     attention on [h; h^0]), ``mlp`` (the gated MLP) and its own attn_norm, ff_norm and shared_out, all
     built from one flat parameter dict (their names differ). The Mamba-2's pre-norm is the block's
@@ -34,29 +34,13 @@ class SharedBlockMixer(ParamModule):
 
     kind = "shared"
     NAMES = ("attn_norm", "ff_norm", "shared_out")
+    PARTS = ("ssm", "attn", "mlp")
 
     def __init__(self, config, params: dict):
         super().__init__(config, params)
         self.ssm = Mamba2Mixer(config, params)
         self.attn = AttentionMixer(config, params)
         self.mlp = MLPMixer(config, params)
-
-    def _parts(self):
-        return (super().param_dict(), self.ssm.param_dict(), self.attn.param_dict(), self.mlp.param_dict())
-
-    def param(self, name: str):
-        """The ``nnx.Param`` called ``name``, from whichever part holds it."""
-        for holder in (self, self.ssm, self.attn, self.mlp):
-            if name in ParamModule.param_dict(holder):
-                return getattr(holder, name)
-        raise KeyError(name)
-
-    def param_dict(self) -> dict:
-        """Every part's parameters in one plain dict (the layout of config.param_shapes)."""
-        out = {}
-        for part in self._parts():
-            out.update(part)
-        return out
 
     def attn_input(self, h, embeddings, *, hold_fixed=False):
         """RMSNorm_attn([h; h^0]) (b, l, 2d), cast to the weight dtype; ``hold_fixed``: the norm's scale
@@ -70,10 +54,13 @@ class SharedBlockMixer(ParamModule):
         w = self.ff_norm[...]
         return rms_norm(a, w, self.config.rms_eps, hold_scale=hold_fixed).astype(w.dtype)
 
+    def feed_forward(self, a):
+        """t = MLP(RMSNorm_ff(a)) W_s (..., l, d) fp32 for the attention output a (..., l, d)."""
+        return linear(self.mlp(self.ff_input(a)), self.shared_out[...])
+
     def transformer(self, h, embeddings, *, mask, ctx: Context = XLA):
         """t (b, l, d) fp32: the block's output, which the Mamba-2 reads added to its input stream h."""
-        a = self.attn(self.attn_input(h, embeddings), mask=mask, ctx=ctx)
-        return linear(self.mlp(self.ff_input(a)), self.shared_out[...])
+        return self.feed_forward(self.attn(self.attn_input(h, embeddings), mask=mask, ctx=ctx))
 
     def init_cache(self, batch: int, max_length: int):
         """(the attention's keys and values, the Mamba-2's (conv, ssm))."""
@@ -83,4 +70,4 @@ class SharedBlockMixer(ParamModule):
         """One token: (t_t (b, d), the attention's cache) for the stream h_t and embedding e_t (b, d)."""
         x = self.attn_input(h_t[:, None], e_t[:, None])[:, 0]
         a, cache = self.attn.step(x, cache, valid)
-        return linear(self.mlp(self.ff_input(a)[:, None])[:, 0], self.shared_out[...]), cache
+        return self.feed_forward(a[:, None])[:, 0], cache
