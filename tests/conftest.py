@@ -172,3 +172,24 @@ def assert_attention_map_and_pallas(model, tokens, layer: int):
     xla = latim_jax.attribute(model, tokens, method="l2", impl="xla")
     pallas = latim_jax.attribute(model, tokens, method="l2", impl="pallas")
     assert rel_err(pallas.scores, xla.scores) < 2e-5
+
+
+def assert_logit_identity_padding_and_rows(model, tokens, pad: int = 6):
+    """On prompts (2, l) with the second left-padded by ``pad``: the logit identity holds over every
+    sublayer (1e-5), ``layer_kinds`` is the model's, and alti / logit maps of the padded prompt equal the
+    prompt alone and rows [-1, 10] equal those rows of the full map (2e-5)."""
+    import latim_jax
+
+    length = tokens.shape[1]
+    mask = np.ones(tokens.shape, bool)
+    mask[1, :pad] = False
+    a = latim_jax.attribute(model, tokens, method="logit", mask=mask)
+    total = a.scores.sum((1, 3)) + a.extra["bias"].sum(1) + a.extra["direct"]
+    assert rel_err(np.where(mask, total, 0), np.where(mask, a.extra["logit"], 0)) < 1e-5
+    assert a.layer_kinds == model.config.kinds
+    for method in ("alti", "logit"):
+        full = latim_jax.attribute(model, tokens, method=method, mask=mask)
+        alone = latim_jax.attribute(model, tokens[1:, pad:], method=method)
+        np.testing.assert_allclose(full.scores[1, :, pad:, pad:], alone.scores[0], rtol=2e-5, atol=2e-6)
+        last = latim_jax.attribute(model, tokens, method=method, mask=mask, rows=[-1, 10])
+        np.testing.assert_allclose(last.scores, full.scores[:, :, [length - 1, 10]], rtol=2e-5, atol=2e-6)

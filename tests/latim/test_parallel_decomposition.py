@@ -10,7 +10,12 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_attention_map_and_pallas, assert_l2_vmap_and_gradient, rel_err
+from conftest import (
+    assert_attention_map_and_pallas,
+    assert_l2_vmap_and_gradient,
+    assert_logit_identity_padding_and_rows,
+    rel_err,
+)
 
 import latim_jax
 from latim_jax.latim.kinds import full_contributions, layer_factors
@@ -83,19 +88,7 @@ def test_a_parallel_block_is_the_sum_of_its_halves(model):
 
 
 def test_logit_identity_and_padding_and_rows(model):
-    tokens = _tokens()
-    mask = np.ones(tokens.shape, bool)
-    mask[1, :6] = False
-    a = latim_jax.attribute(model, tokens, method="logit", mask=mask)
-    total = a.scores.sum((1, 3)) + a.extra["bias"].sum(1) + a.extra["direct"]
-    assert rel_err(np.where(mask, total, 0), np.where(mask, a.extra["logit"], 0)) < 1e-5
-    assert a.layer_kinds == CONFIG.kinds
-    for method in ("alti", "logit"):
-        full = latim_jax.attribute(model, tokens, method=method, mask=mask)
-        alone = latim_jax.attribute(model, tokens[1:, 6:], method=method)
-        np.testing.assert_allclose(full.scores[1, :, 6:, 6:], alone.scores[0], rtol=2e-5, atol=2e-6)
-        last = latim_jax.attribute(model, tokens, method=method, mask=mask, rows=[-1, 10])
-        np.testing.assert_allclose(last.scores, full.scores[:, :, [20, 10]], rtol=2e-5, atol=2e-6)
+    assert_logit_identity_padding_and_rows(model, _tokens())
 
 
 def test_hidden_attention_is_the_attention_halfs_weights_and_pallas_equals_xla(model):
