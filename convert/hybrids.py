@@ -637,12 +637,9 @@ def zamba2_config(data: dict[str, Any], file: str) -> MambaConfig:
 
 
 def _check_adapter(tensors, parts: list[str]) -> None:
-    """A low-rank adapter (down (r, in), up (out, r)) must match its weight (out, in)."""
+    """A low-rank adapter (down (r, in), up (out, r)) must match its weight (out, in) (all present:
+    :meth:`TensorFiles.derive` checked)."""
     weight, down, up = parts
-    for name in parts:
-        if name not in tensors:
-            raise CheckpointError("missing tensor of a shared block", file=tensors.label, key=name,
-                                  expected="a tensor", found="no such key")  # fmt: skip
     out, inp = tensors.shape(weight)
     r = tensors.shape(down)[0]
     for name, want in ((down, (r, inp)), (up, (out, r))):
@@ -671,25 +668,23 @@ def zamba2_tensors(config: MambaConfig, tensors, data: dict[str, Any]) -> None:
         mine = f"{prefix}model.layers.{layer}.shared_transformer."
         # transformers ties the blocks only with tie_word_embeddings (untied, each layer keeps its own)
         owner = f"{prefix}model.layers.{hybrid[k % n_blocks]}.shared_transformer." if tied else mine
-        for name in ("input_layernorm.weight", "pre_ff_layernorm.weight", "self_attn.o_proj.weight",
-                     "feed_forward.down_proj.weight", "feed_forward.down_proj.bias",
-                     "feed_forward.gate_up_proj.bias"):  # fmt: skip
-            if owner + name in tensors:
-                tensors.derive(mine + "own." + name, [owner + name], lambda x: x)
-                consumed.add(owner + name)
+        plain = ["input_layernorm.weight", "pre_ff_layernorm.weight", "self_attn.o_proj.weight",
+                 "feed_forward.down_proj.weight"]  # fmt: skip
+        if config.mlp_bias:  # add_bias_linear
+            plain += ["feed_forward.down_proj.bias", "feed_forward.gate_up_proj.bias"]
         adapted = [("feed_forward.gate_up_proj", "feed_forward.gate_up_proj_adapter_list")]
         if qkv_adapters:
             adapted += [(f"self_attn.{p}_proj", f"self_attn.linear_{p}_adapter_list") for p in "qkv"]
         else:
-            for p in "qkv":
-                name = f"self_attn.{p}_proj.weight"
-                tensors.derive(mine + "own." + name, [owner + name], lambda x: x)
-                consumed.add(owner + name)
+            plain += [f"self_attn.{p}_proj.weight" for p in "qkv"]
+        for name in plain:  # a missing one is reported by derive, naming the stored key
+            tensors.derive(mine + "own." + name, [owner + name], lambda x: x)
+            consumed.add(owner + name)
         for weight, adapters in adapted:
             slot = f"{owner}{adapters}.{k}."
             parts = [owner + weight + ".weight", slot + "0.weight", slot + "1.weight"]
-            _check_adapter(tensors, parts)
             tensors.derive(mine + "own." + weight + ".weight", parts, lambda w, down, up: w + up @ down)
+            _check_adapter(tensors, parts)
             consumed.update(parts)
     owners = {f"{prefix}model.layers.{layer}." for layer in (hybrid[:n_blocks] if tied else hybrid)}
     for name in tensors.keys():
