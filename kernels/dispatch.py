@@ -6,8 +6,8 @@ returns the same pytree.
   on a CPU backend).
 - ``ctx.mesh``: with a mesh, each Pallas scan runs inside ``jax.shard_map`` over (batch on "data",
   channels / heads on "model"); the XLA path is left to XLA's SPMD partitioner. Channel-parallel scans
-  need no cross-shard carry (each channel or head is an independent recurrence); Mamba-2 heads of one
-  B/C group may land on different devices, so each shard gathers the groups of its own heads.
+  need no cross-shard carry (each channel or head is an independent recurrence); Mamba-2's B/C groups
+  split with the heads when the shards divide them, else each shard gathers the groups of its heads.
 
 ``block_sizes`` (a :class:`~latim_jax.kernels.block_sizes.Blocks`) tunes the Pallas tiles; None fields
 take ``Blocks.for_platform``'s. Both Pallas paths accept ``initial_state`` in the kernel and are
@@ -66,14 +66,18 @@ def ssd(x, dt, A, B, C, D, chunk_size=64, initial_state=None, *, ctx: Context = 
     if mesh is None:
         return kernel(x, dt, A, B, C, D, initial_state=initial_state)
     rep = x.shape[2] // B.shape[2]  # heads per B/C group
+    # groups split with the heads when the shards divide them (each shard's heads read its own groups,
+    # as a channel-matched layout arranges); else every shard takes all groups and picks its heads'
+    own_groups = model is not None and B.shape[2] % ctx.axis_size("model") == 0
 
     def local(x, dt, A, B, C, D, h0=None):
-        if model is not None:  # this shard's heads may span groups: give each local head its own group
+        if model is not None and not own_groups:  # this shard's heads may span groups: one per local head
             heads = jax.lax.axis_index("model") * x.shape[2] + jnp.arange(x.shape[2])
             B, C = (jnp.take(t, heads // rep, axis=2) for t in (B, C))
         return kernel(x, dt, A, B, C, D, initial_state=h0)
 
-    heads, bc = P(data, None, model, None), P(data, None, None, None)
+    heads = P(data, None, model, None)
+    bc = P(data, None, model if own_groups else None, None)
     specs = [heads, P(data, None, model), P(model), bc, bc, P(model)]
     args = [x, dt, A, B, C, D]
     if initial_state is not None:

@@ -107,16 +107,15 @@ def factors(
     mixer, cfg = block.ssm_mixer, block.config
     xz = block.projected(h, hold_fixed=hold_fixed)
     inter = mixer.intermediates(mask=mask, ctx=ctx, hold_fixed=hold_fixed, projected=xz)
-    e, K = cfg.d_inner, cfg.d_conv
+    K = cfg.d_conv
     valid = mask[..., None].astype(f32)
-    w_lag = mixer.conv_w[...].astype(f32)[::-1, :e]  # (K, e): w_k multiplies u_{t-k}
-    c = inter.c[..., :e]
-    b_in = mixer._get("in_proj_b")
-    v_slice = slice(0, e) if cfg.version == 1 else slice(e, 2 * e)
-    b_in = None if b_in is None else b_in.astype(f32)[v_slice] * valid  # the bias reaches real positions only
-    b_conv = mixer._get("conv_b")
-    b_conv = None if b_conv is None else b_conv.astype(f32)[:e]
-    u_full = inter.u[..., :e]  # the conv input the forward used: rounded to the weight dtype, 0 at padding
+    conv_w, b_conv = mixer.value_conv()  # the value channels' taps (K, e) and bias
+    w_lag = conv_w.astype(f32)[::-1]  # (K, e): w_k multiplies u_{t-k}
+    c = mixer.value_channels(inter.c)
+    _, b_in = mixer.value_in_proj()
+    b_in = None if b_in is None else b_in.astype(f32) * valid  # the bias reaches real positions only
+    b_conv = None if b_conv is None else b_conv.astype(f32)
+    u_full = mixer.value_channels(inter.u)  # the conv input the forward used: weight dtype, 0 at padding
     W_out = mixer.out_proj[...].astype(f32)
     b_out = mixer._get("out_proj_b")
     bias = jnp.zeros_like(h, dtype=f32) if b_out is None else jnp.broadcast_to(b_out.astype(f32), h.shape)
@@ -129,7 +128,7 @@ def factors(
         a = jnp.stack([w_lag[k] * s_pad[:, k : k + s.shape[1]] * u_tok for k in range(K)])
         if b_in is not None or b_conv is not None:
             ones_in = jnp.zeros_like(u_tok) if b_in is None else jnp.broadcast_to(b_in, u_tok.shape)
-            cbias = causal_conv(ones_in, mixer.conv_w[...][:, :e], b_conv)  # b_conv + taps of b_in
+            cbias = causal_conv(ones_in, conv_w, b_conv)  # b_conv + taps of b_in
             y_bias = value_scan(mixer, inter, s * cbias, ctx)
             bias = bias + linear(y_bias * inter.G, W_out)
         bias = bias + out_proj_rounding(mixer, inter, W_out)

@@ -206,21 +206,22 @@ def factors(
     m = mamba.factors(block, s, mask, ctx, mode, hold_fixed=hold_fixed, with_total=with_total)
     ssm, e = mixer.ssm, cfg.d_inner
     m_scale = block.norm[...].astype(f32) / _rms(s, cfg.rms_eps, hold_fixed)
-    W_x = ssm.in_proj[...].astype(f32)[:, e : 2 * e]
+    W_x, b_in = ssm.value_in_proj()
+    W_x = W_x.astype(f32)
     valid = mask.astype(f32)[..., None]
-    b_in = ssm._get("in_proj_b")
-    b_in = jnp.zeros((e,), f32) if b_in is None else b_in.astype(f32)[e : 2 * e]
+    b_in = jnp.zeros((e,), f32) if b_in is None else b_in.astype(f32)
     _, u, _ = ssm.split_projection(block.projected(s, hold_fixed=hold_fixed))
     u = ssm.conv_input(u, mask)  # the conv input as the forward used it (rounded to the weight dtype)
+    conv = ssm.value_channels(causal_conv(u, ssm.conv_w[...], ssm._get("conv_b")))
+    u = ssm.value_channels(u)
     # the value input that belongs to no token: the forward's, less its bias, less the tokens' shares
     # (h + t_tokens): the block's bias part t_bias, and the roundings of a bf16 model's normalised input
     shares = linear((h.astype(f32) + t_tokens) * m_scale, W_x) * valid
-    u_tbias = _held(u[..., :e] - b_in * valid - shares, hold_fixed)
+    u_tbias = _held(u - b_in * valid - shares, hold_fixed)
     ubias = u_tbias + b_in * valid
-    b_conv = ssm._get("conv_b")
-    b_conv = jnp.zeros((e,), f32) if b_conv is None else b_conv.astype(f32)[:e]
-    w_lag = ssm.conv_w[...].astype(f32)[::-1, :e]
-    conv = causal_conv(u, ssm.conv_w[...], ssm._get("conv_b"))[..., :e]
+    conv_w, b_conv = ssm.value_conv()
+    b_conv = jnp.zeros((e,), f32) if b_conv is None else b_conv.astype(f32)
+    w_lag = conv_w.astype(f32)[::-1]
     s_gate = _held(activation_gate(cfg.activation, conv), hold_fixed)
     bias, total = m.bias, m.token_total
     if mode == "exact":  # the block's bias part runs the Mamba-2's value path too: beta, not any token's

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from latim_jax.kernels import dispatch, f32
+from latim_jax.model.channel_layout import CONV_ORDER, IN_ORDER, channel_layout
 from latim_jax.model.layers import (
     activation,
     activation_gate,
@@ -51,8 +52,9 @@ class Intermediates:
     """What one mixer computed for one input (fp32).
 
     u: (b, l, c) conv input exactly as the forward convolved it (rounded to the weight dtype, zero at
-       padding; Mamba-1: c = e; Mamba-2: c = e + 2gn, the xBC slice; only x is a value)
-    c: (b, l, c) conv pre-activation (bias included); v = act(c)
+       padding; Mamba-1: c = e; Mamba-2: the x, B, C channels in the mixer's ``layout``, c = e + 2gn
+       in the checkpoint's order; only x is a value: :meth:`_Mixer.value_channels`)
+    c: (b, l, c) conv pre-activation (bias included, same layout); v = act(c)
     delta: (b, l, e) Mamba-1 / (b, l, h) Mamba-2 (zero at padding: the state skips pad positions)
     B, C: (b, l, n) Mamba-1 / (b, l, g, n) Mamba-2
     y: (b, l, e) scan output including the D skip term
@@ -90,6 +92,41 @@ class _Mixer(ParamModule):
     """What both Mamba mixers share. ``kind`` names the layer kind ("mamba1" / "mamba2")."""
 
     NAMES = _PARAM_NAMES
+
+    def __init__(self, config, params: dict):
+        super().__init__(config, params)
+        self.layout = channel_layout(config, self.kind)  # the checkpoint's order until a mesh lays it out
+
+    def param_dict(self) -> dict:
+        """The parameters as a plain dict in the checkpoint's order (config.param_shapes), whatever
+        the layout they are held in."""
+        return {n: self.layout.restore(n, v) for n, v in super().param_dict().items()}
+
+    def lay_out(self, shards: int) -> None:
+        """Hold in_proj and the conv in the layout over ``shards`` "model" shards (in place; the layer
+        computes the same values). See :mod:`latim_jax.model.channel_layout`."""
+        new = channel_layout(self.config, self.kind, shards)
+        if new == self.layout:
+            return
+        for name, value in self.param_dict().items():  # the checkpoint's order
+            if name in IN_ORDER + CONV_ORDER:
+                self.param(name).set_value(new.lay_out(name, value))
+        self.layout = new
+
+    def value_channels(self, t):
+        """The value (x) channels (..., e) of an array t (..., c) in the conv's channel order."""
+        return self.layout.split(t, "conv", ("x",))[0]
+
+    def value_conv(self):
+        """The conv's weight (k, e) and bias (e,) or None on the value channels."""
+        b = self._get("conv_b")
+        return self.value_channels(self.conv_w[...]), None if b is None else self.value_channels(b)
+
+    def value_in_proj(self):
+        """in_proj's columns (d, e) and bias (e,) or None that make the value input x."""
+        b = self._get("in_proj_b")
+        (w,) = self.layout.split(self.in_proj[...], "in", ("x",))
+        return w, None if b is None else self.layout.split(b, "in", ("x",))[0]
 
     @property
     def A(self):
@@ -134,8 +171,8 @@ class Mamba1Mixer(_Mixer):
 
     def split_projection(self, xz):
         """in_proj output (b, l, 2e) -> u, z (b, l, e) fp32."""
-        e = self.config.d_inner
-        return xz[..., :e], xz[..., e:]
+        u, z = self.layout.split(xz, "in", ("x",), ("z",))
+        return u, z
 
     def ssm_params(self, v, mask):
         """v (b, l, e) -> Delta (b, l, e), B, C (b, l, n), all fp32; Delta = 0 where ``mask`` ((b, l) or
@@ -176,7 +213,7 @@ class Mamba1Mixer(_Mixer):
         """Zero recurrent cache: (conv (b, k-1, e), ssm (b, e, n)) (not growing with length)."""
         c = self.config
         return (
-            jnp.zeros((batch, c.d_conv - 1, c.conv_dim), f32),
+            jnp.zeros((batch, c.d_conv - 1, self.layout.total_width("conv")), f32),
             jnp.zeros((batch, c.d_inner, c.d_state), f32),
         )
 
@@ -200,20 +237,23 @@ class Mamba2Mixer(_Mixer):
     kind = "mamba2"
 
     def split_projection(self, zxbcdt):
-        """in_proj output (b, l, 2e+2gn+h) -> z (b, l, e), xBC (b, l, e+2gn), dt (b, l, h), fp32."""
-        c = self.config
-        e = c.d_inner
-        return zxbcdt[..., :e], zxbcdt[..., e : e + c.conv_dim], zxbcdt[..., e + c.conv_dim :]
+        """in_proj output (b, l, 2e+2gn+h in the checkpoint's order) -> z (b, l, e), xBC (b, l, c: the
+        conv's channels in the mixer's layout), dt (b, l, h), fp32."""
+        z, xbc, dt = self.layout.split(zxbcdt, "in", ("z",), ("x", "B", "C"), ("dt",))
+        return z, xbc, dt
 
     def split_xbc(self, v):
-        """Post-activation xBC (..., e+2gn) -> x (..., h, p), B, C (..., g, n)."""
+        """Post-activation xBC (..., c) -> x (..., h, p), B, C (..., g', n): g' = ``layout.groups`` (the
+        checkpoint's g unless a mesh layout repeats groups per shard)."""
         c = self.config
-        e, gn = c.d_inner, c.n_groups * c.d_state
         lead = v.shape[:-1]
-        x = v[..., :e].reshape(*lead, c.n_heads, c.head_dim)
-        B = v[..., e : e + gn].reshape(*lead, c.n_groups, c.d_state)
-        C = v[..., e + gn :].reshape(*lead, c.n_groups, c.d_state)
-        return x, B, C
+        x, B, C = self.layout.split(v, "conv", ("x",), ("B",), ("C",))
+        g = self.layout.groups
+        return (
+            x.reshape(*lead, c.n_heads, c.head_dim),
+            B.reshape(*lead, g, c.d_state),
+            C.reshape(*lead, g, c.d_state),
+        )
 
     def delta(self, dt):
         """Delta = clamp(softplus(dt + dt_bias), time_step_limit), (..., h) fp32."""
@@ -254,7 +294,7 @@ class Mamba2Mixer(_Mixer):
         """Zero recurrent cache: (conv (b, k-1, e+2gn), ssm (b, h, p, n)) (not growing with length)."""
         c = self.config
         return (
-            jnp.zeros((batch, c.d_conv - 1, c.conv_dim), f32),
+            jnp.zeros((batch, c.d_conv - 1, self.layout.total_width("conv")), f32),
             jnp.zeros((batch, c.n_heads, c.head_dim, c.d_state), f32),
         )
 

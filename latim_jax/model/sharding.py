@@ -1,7 +1,10 @@
 """The model's parameter layout on a device mesh, and the execution context of a call on it.
 
 :func:`shard` splits each mixer parameter over the mesh's "model" axis along its inner-channel / head
-axis (the mixers' ``CHANNEL_AXIS`` table; a dimension the axis size does not divide stays whole), the
+axis (the mixers' ``CHANNEL_AXIS`` table; a dimension the axis size does not divide stays whole), a
+Mamba layer's in_proj and conv first reordered so that each shard's column block holds the matching
+slice of every part (:mod:`latim_jax.model.channel_layout`: the layer's channels stay on their shard
+from in_proj to out_proj, whose sums are the forward's one all-reduce per layer), the
 embedding and head over "model" along the vocabulary when it divides, and replicates the norms;
 everything is replicated over "data". :func:`context` is what every public entry point calls once:
 it validates the mesh, lays the model out on it unless it already is, and resolves ``impl``.
@@ -12,9 +15,12 @@ from __future__ import annotations
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from latim_jax.model.mixers import CHANNEL_AXIS
+from latim_jax.model.channel_layout import fits
+from latim_jax.model.mixers import CHANNEL_AXIS, Mamba1Mixer, Mamba2Mixer
 from latim_jax.parallel.context import Context, resolve
 from latim_jax.parallel.mesh import MODEL, P, check_mesh
+
+MAMBA_MIXERS = (Mamba1Mixer, Mamba2Mixer)  # a block's own Mamba mixer (not a part of a composed one)
 
 
 def param_spec(name: str, shape: tuple[int, ...], model_size: int) -> P:
@@ -38,8 +44,12 @@ def shard(model, mesh: Mesh):
         param.set_value(jax.device_put(param[...], NamedSharding(mesh, spec)))
 
     for block in model.layers:
-        for name, value in block.mixer.param_dict().items():
-            put(block.mixer.param(name), param_spec(name, value.shape, m))
+        mixer = block.mixer
+        if isinstance(mixer, MAMBA_MIXERS):  # in_proj and the conv in shard-matched column blocks
+            mixer.lay_out(m if fits(model.config, mixer.kind, m) else 1)
+        for name in mixer.param_dict():
+            param = mixer.param(name)
+            put(param, param_spec(name, param[...].shape, m))
         put(block.norm, P())
     for name in ("embedding", "lm_head"):
         param = getattr(model, name, None)

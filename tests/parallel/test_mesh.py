@@ -101,6 +101,44 @@ SCRIPT = textwrap.dedent(
     assert rel(step(state, tokens), np.asarray(alone(tokens))) < 1e-5
     found = collectives(step.lower(state, tokens).compile().as_text())
     assert found["all-reduce"]["count"] >= 2 and found["all-reduce"]["bytes"] > 0, found  # out_proj's sums
+    # the channel-matched layout: model-parallel over 8, the compiled forward and attribute move no
+    # activation between devices (no collective-permute / all-to-all: with in_proj cut in contiguous
+    # column blocks they held 4-59 of them), and the forward sums about one residual stream per layer
+    # (out_proj's partial sums; Mamba-1's x_proj and Mamba-2's group rms add (b, l, r+2n) / (b, l, g))
+    from latim_jax.model.generate import prefill
+    wide = {1: MambaConfig(version=1, d_model=32, n_layers=2, vocab_size=32, d_state=4),
+            2: MambaConfig(version=2, d_model=32, n_layers=2, vocab_size=32, d_state=8, head_dim=8,
+                           n_groups=2, chunk_size=8)}  # g 2 < 8 shards: each shard's group repeated
+    x = np.random.default_rng(2).normal(size=(1, 48, 32)).astype(np.float32)
+    for version, cfg in wide.items():
+        params = init_params(cfg, 3)
+        model = latim_jax.model.sharding.shard(latim_jax.MambaLM(cfg, params), mesh)
+        assert model.layers[0].mixer.layout.shards == 8
+        graphdef, state = nnx.split(model)
+        programs = {
+            "forward": lambda s, e: nnx.merge(graphdef, s).forward(inputs_embeds=e, mesh=mesh).residuals,
+            "attribute": lambda s, e: latim_jax.attribute(
+                nnx.merge(graphdef, s), inputs_embeds=e, method="alti", mesh=mesh, memory_limit=None).scores,
+        }
+        for what, fn in programs.items():
+            found = collectives(jax.jit(fn).lower(state, x).compile().as_text())
+            moved = found["collective-permute"]["count"] + found["all-to-all"]["count"]
+            assert moved == 0, (version, what, found)
+            if what == "forward":
+                streams = found["all-reduce"]["bytes"] / (x.size * 4) / cfg.n_layers
+                assert 1.0 <= streams < 1.4, (version, streams, found)
+        alone = latim_jax.MambaLM(cfg, params)
+        want = latim_jax.attribute(alone, inputs_embeds=x, method="alti")
+        got = latim_jax.attribute(model, inputs_embeds=x, method="alti", mesh=mesh)
+        assert rel(got.scores, want.scores) < 2e-5, version
+        # the parameters read back in the checkpoint's order, bit for bit
+        for a, b in zip(jax.tree.leaves(alone.params()), jax.tree.leaves(model.params()), strict=True):
+            assert np.array_equal(np.asarray(a), np.asarray(b)), version
+        # generation on the laid-out model (its conv cache in the layout) equals the plain model's
+        got, _ = prefill(model, tokens[:1])
+        want, _ = prefill(alone, tokens[:1])
+        assert rel(got, want) < 1e-5, version
+        print("layout", version, "ok", flush=True)
     print("OK")
     """
 )
