@@ -61,8 +61,9 @@ class ComposedModule(ParamModule):
         return None
 
     def param_dict(self) -> dict:
-        """Every holder's parameters in one plain dict (the layout of config.param_shapes)."""
-        out = {}
-        for holder in self._holders():
-            out.update(ParamModule.param_dict(holder))
+        """Every holder's parameters in one plain dict (the layout of config.param_shapes; each part's
+        own ``param_dict``, in the checkpoint's order whatever layout a part holds them in)."""
+        out = ParamModule.param_dict(self)
+        for part in self.PARTS:
+            out.update(getattr(self, part).param_dict())
         return out

@@ -20,7 +20,7 @@ from latim_jax.model.mixers import CHANNEL_AXIS, Mamba1Mixer, Mamba2Mixer
 from latim_jax.parallel.context import Context, resolve
 from latim_jax.parallel.mesh import MODEL, P, check_mesh
 
-MAMBA_MIXERS = (Mamba1Mixer, Mamba2Mixer)  # a block's own Mamba mixer (not a part of a composed one)
+MAMBA_MIXERS = (Mamba1Mixer, Mamba2Mixer)
 
 
 def param_spec(name: str, shape: tuple[int, ...], model_size: int) -> P:
@@ -45,8 +45,9 @@ def shard(model, mesh: Mesh):
 
     for block in model.layers:
         mixer = block.mixer
-        if isinstance(mixer, MAMBA_MIXERS):  # in_proj and the conv in shard-matched column blocks
-            mixer.lay_out(m if fits(model.config, mixer.kind, m) else 1)
+        ssm = getattr(mixer, "ssm", mixer)  # a Mamba mixer, alone or the part of a composed one
+        if isinstance(ssm, MAMBA_MIXERS):  # in_proj and the conv in shard-matched column blocks
+            ssm.lay_out(m if fits(model.config, ssm.kind, m) else 1)
         for name in mixer.param_dict():
             param = mixer.param(name)
             put(param, param_spec(name, param[...].shape, m))

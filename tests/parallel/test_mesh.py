@@ -76,6 +76,11 @@ SCRIPT = textwrap.dedent(
         assert err < 2e-5, (version, method, shape, impl, err)
         for key in want.extra:
             assert rel(got.extra[key], want.extra[key]) < 2e-5, key
+        # the parameters read back in the checkpoint's order whatever the layout, bit for bit
+        for a, b in zip(jax.tree.leaves(alone.params()), jax.tree.leaves(model.params()), strict=True):
+            assert np.array_equal(np.asarray(a), np.asarray(b)), version
+        ssm = getattr(model.layers[0].mixer, "ssm", model.layers[0].mixer)  # alone or a composed part
+        assert ssm.layout.shards == shape[1], (version, ssm.layout.shards)  # laid out for the model axis
         w = model.layers[0].mixer.param("in_proj")[...]
         assert len(w.sharding.device_set) == 8
         if shape[1] > 1:  # model-parallel: each device holds 1/model of in_proj's columns
@@ -131,9 +136,6 @@ SCRIPT = textwrap.dedent(
         want = latim_jax.attribute(alone, inputs_embeds=x, method="alti")
         got = latim_jax.attribute(model, inputs_embeds=x, method="alti", mesh=mesh)
         assert rel(got.scores, want.scores) < 2e-5, version
-        # the parameters read back in the checkpoint's order, bit for bit
-        for a, b in zip(jax.tree.leaves(alone.params()), jax.tree.leaves(model.params()), strict=True):
-            assert np.array_equal(np.asarray(a), np.asarray(b)), version
         # generation on the laid-out model (its conv cache in the layout) equals the plain model's
         got, _ = prefill(model, tokens[:1])
         want, _ = prefill(alone, tokens[:1])
