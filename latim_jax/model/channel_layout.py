@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 # which of a mixer's parameters are in in_proj's column order, which in the conv's channel order
@@ -116,14 +118,23 @@ class ChannelLayout:
 
     def restore(self, name: str, value):
         """A parameter in this layout -> the checkpoint's order (each checkpoint column from its first
-        laid-out copy)."""
+        laid-out copy). Repeated B/C columns that no longer agree (the laid-out parameters were trained
+        or edited copy by copy) raise ValueError: no checkpoint order holds them."""
         order = _order(name)
         if order is None or self.reference:
             return value
         cols = self.columns(order)
         first = np.zeros(cols.max() + 1, np.int64)
         first[cols[::-1]] = np.arange(len(cols))[::-1]  # the last assignment wins: the first copy
-        return value[..., first]
+        out = value[..., first]
+        if self.groups != self.n_groups and not isinstance(value, jax.core.Tracer):
+            if not bool(jnp.array_equal(out[..., cols], value)):
+                raise ValueError(
+                    f"{name}: the copies of B/C columns repeated over {self.shards} shards differ (were the "
+                    "laid-out parameters updated copy by copy? a gradient splits over the copies: sum them), "
+                    "so they have no checkpoint order"
+                )
+        return out
 
 
 def _order(name: str) -> str | None:

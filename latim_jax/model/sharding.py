@@ -13,6 +13,7 @@ it validates the mesh, lays the model out on it unless it already is, and resolv
 from __future__ import annotations
 
 import jax
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from latim_jax.model.channel_layout import fits
@@ -34,6 +35,17 @@ def param_spec(name: str, shape: tuple[int, ...], model_size: int) -> P:
     return P(*spec)
 
 
+def _mamba(block):
+    """The block's Mamba mixer, alone or the part of a composed one, or None."""
+    ssm = getattr(block.mixer, "ssm", block.mixer)
+    return ssm if isinstance(ssm, MAMBA_MIXERS) else None
+
+
+def _shards(model, ssm, m: int) -> int:
+    """The shards a Mamba mixer is laid out for on a "model" axis of m: m when it fits, else 1."""
+    return m if fits(model.config, ssm.kind, m) else 1
+
+
 def shard(model, mesh: Mesh):
     """Lay ``model``'s parameters out on ``mesh`` (in place; returns the model). See the module
     docstring for the layout."""
@@ -44,10 +56,9 @@ def shard(model, mesh: Mesh):
         param.set_value(jax.device_put(param[...], NamedSharding(mesh, spec)))
 
     for block in model.layers:
-        mixer = block.mixer
-        ssm = getattr(mixer, "ssm", mixer)  # a Mamba mixer, alone or the part of a composed one
-        if isinstance(ssm, MAMBA_MIXERS):  # in_proj and the conv in shard-matched column blocks
-            ssm.lay_out(m if fits(model.config, ssm.kind, m) else 1)
+        mixer, ssm = block.mixer, _mamba(block)
+        if ssm is not None:  # in_proj and the conv in shard-matched column blocks
+            ssm.lay_out(_shards(model, ssm, m))
         for name in mixer.param_dict():
             param = mixer.param(name)
             put(param, param_spec(name, param[...].shape, m))
@@ -62,9 +73,15 @@ def shard(model, mesh: Mesh):
 
 
 def on_mesh(model, mesh: Mesh) -> bool:
-    """Whether every parameter of ``model`` lives on exactly ``mesh``'s devices."""
+    """Whether every parameter of ``model`` lives on exactly ``mesh``'s devices, each Mamba layer laid
+    out for the mesh's "model" axis."""
     want = set(mesh.devices.flat)
-    leaves = jax.tree.leaves(model.params())
+    leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+    m = Context(mesh=mesh).axis_size(MODEL)
+    for block in model.layers:
+        ssm = _mamba(block)
+        if ssm is not None and ssm.layout.shards != _shards(model, ssm, m):
+            return False
     return all(set(x.sharding.device_set) == want for x in leaves if hasattr(x, "sharding"))
 
 

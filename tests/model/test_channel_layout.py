@@ -86,3 +86,16 @@ def test_layouts_that_do_not_fit_are_refused_by_name():
         channel_layout(odd, "mamba2", 4)
     with pytest.raises(ValueError, match="e = 32"):
         channel_layout(M1, "mamba1", 3)
+
+
+def test_copies_that_diverged_are_refused_when_read_back():
+    """B/C columns repeated over shards, then edited in one copy (what a per-copy update does): params()
+    names the parameter instead of saving one copy silently."""
+    model = latim_jax.MambaLM(M2, init_params(M2, 0))
+    mixer = model.layers[0].mixer
+    mixer.lay_out(8)  # g 2 < 8 shards: each group repeated on 4 shards
+    model.params()  # the copies agree
+    width = mixer.layout.shard_width("in")  # shard 0: z 4 | x 4 | B 4 | C 4 | dt 1
+    mixer.in_proj.set_value(mixer.in_proj[...].at[:, width + 9].add(1.0))  # shard 1's copy of B
+    with pytest.raises(ValueError, match="in_proj: the copies of B/C columns repeated over 8 shards differ"):
+        model.params()

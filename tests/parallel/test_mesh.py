@@ -140,6 +140,10 @@ SCRIPT = textwrap.dedent(
         got, _ = prefill(model, tokens[:1])
         want, _ = prefill(alone, tokens[:1])
         assert rel(got, want) < 1e-5, version
+        # on a mesh with another "model" axis the model is laid out again for it (same devices)
+        other = jax.make_mesh((2, 4), ("data", "model"))
+        latim_jax.attribute(model, tokens[:1], method="l2", mesh=other)
+        assert model.layers[0].mixer.layout.shards == 4, version
         print("layout", version, "ok", flush=True)
     print("OK")
     """
