@@ -56,7 +56,8 @@ class Intermediates:
        in the checkpoint's order; only x is a value: :meth:`_Mixer.value_channels`)
     c: (b, l, c) conv pre-activation (bias included, same layout); v = act(c)
     delta: (b, l, e) Mamba-1 / (b, l, h) Mamba-2 (zero at padding: the state skips pad positions)
-    B, C: (b, l, n) Mamba-1 / (b, l, g, n) Mamba-2
+    B, C: (b, l, n) Mamba-1 / (b, l, g', n) Mamba-2 (g' = ``layout.groups``: g unless a mesh layout
+       repeats groups per shard)
     y: (b, l, e) scan output including the D skip term
     G: (b, l, e) output multiplier: SiLU(z) (Mamba-1), w_norm * SiLU(z) / rms_group(y * SiLU(z)) (Mamba-2;
        see :meth:`Mamba2Mixer.gate` for its norm variants)

@@ -30,6 +30,10 @@ class ParamModule(nnx.Module):
         """The ``nnx.Param`` called ``name`` (what a mesh layout replaces in place)."""
         return getattr(self, name)
 
+    def param_names(self) -> list[str]:
+        """The names of the parameters the module holds (no values read)."""
+        return [n for n in self.NAMES if hasattr(self, n)]
+
     def param_dict(self) -> dict:
         """The module's parameters as a plain dict of arrays (the layout of config.param_shapes)."""
         return {n: getattr(self, n)[...] for n in self.NAMES if hasattr(self, n)}
@@ -59,6 +63,10 @@ class ComposedModule(ParamModule):
             if value is not None:
                 return value
         return None
+
+    def param_names(self) -> list[str]:
+        """The names of every holder's parameters (no values read)."""
+        return [n for holder in self._holders() for n in ParamModule.param_names(holder)]
 
     def param_dict(self) -> dict:
         """Every holder's parameters in one plain dict (the layout of config.param_shapes; each part's

@@ -59,7 +59,7 @@ def shard(model, mesh: Mesh):
         mixer, ssm = block.mixer, _mamba(block)
         if ssm is not None:  # in_proj and the conv in shard-matched column blocks
             ssm.lay_out(_shards(model, ssm, m))
-        for name in mixer.param_dict():
+        for name in mixer.param_names():  # the held values: no read-back to the checkpoint's order
             param = mixer.param(name)
             put(param, param_spec(name, param[...].shape, m))
         put(block.norm, P())

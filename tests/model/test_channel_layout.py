@@ -72,6 +72,8 @@ def test_a_laid_out_model_computes_the_same():
         a = latim_jax.attribute(plain, tokens, method="l2").scores
         b = latim_jax.attribute(laid, tokens, method="l2").scores
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
+        mixer = laid.layers[0].mixer  # what shard lays out by name, without reading the values back
+        assert mixer.param_names() == list(mixer.param_dict())
         for x, y in zip(jax.tree.leaves(plain.params()), jax.tree.leaves(laid.params()), strict=True):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
