@@ -1,15 +1,19 @@
 """Memory and time of the gradient of one layer's l2 score matrix, side by side with its forward.
 
-One 130m-shaped layer (Mamba-1: d 768, e 1536, N 16; Mamba-2: d 768, 24 heads of 64, N 128), random
-weights, one prompt; loss = sum of the layer's full (L, L) l2 matrix, exact mode, XLA path. Each
+One 130m-shaped layer (Mamba-1: d 768, e 1536, N 16; Mamba-2: d 768, 24 heads of 64, N 128; ``--d-model``
+for another width, the rest kept), random weights, one prompt; loss = sum of the layer's full (L, L) l2
+matrix, exact mode, XLA path, every row as ``attribute`` passes it (a numpy range: the block loop's
+static schedule, :func:`latim_jax.latim.blocking.blocked`). Each
 measurement runs in its own process: XLA's compiled temporary buffer size (``memory_analysis``), the
 process's peak RSS above the RSS after building the inputs, the first call (compile + run) and the
 median of ``--repeats`` further calls.
 
     python benchmarks/bench_gradients.py --lengths 256 1024 4096 --out benchmarks/results/gradients.json
 
-(L = 4096 dominates: about an hour per Mamba-1 gradient call on 2 CPU cores.) With --compile-only
-only the compiled programs' temporaries are measured (seconds per cell, any L).
+(L = 4096 at d 768 dominates: tens of minutes per gradient call on 2 CPU cores.) With --compile-only
+only the compiled programs' temporaries are measured (seconds per cell, any L). The workers inherit
+the environment: ``XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=dot`` measures without XLA:CPU's
+YNNPACK reduce fusions (see docs/guide/performance.md).
 """
 
 from __future__ import annotations
@@ -31,11 +35,12 @@ from latim_jax.latim.kinds import layer_factors
 from latim_jax.model.init import init_params
 from latim_jax.latim.scores import layer_scores
 
-version, L, kind, repeats = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+version, L, kind, repeats, d = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), \
+    int(sys.argv[5])
 if version == 1:
-    cfg = MambaConfig(version=1, d_model=768, n_layers=1, vocab_size=256, d_state=16)
+    cfg = MambaConfig(version=1, d_model=d, n_layers=1, vocab_size=256, d_state=16)
 else:
-    cfg = MambaConfig(version=2, d_model=768, n_layers=1, vocab_size=256, d_state=128, head_dim=64,
+    cfg = MambaConfig(version=2, d_model=d, n_layers=1, vocab_size=256, d_state=128, head_dim=64,
                       chunk_size=256)
 model = latim_jax.MambaLM(cfg, init_params(cfg, 0))
 tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (1, L)))
@@ -43,7 +48,7 @@ h = model.forward(tokens, impl="xla").residuals[0]
 
 def loss(h):
     f = layer_factors(model, h, 0, "exact", impl="xla")
-    return jnp.sum(layer_scores(f, "l2", jnp.arange(L), mask=jnp.ones((1, L), bool)))
+    return jnp.sum(layer_scores(f, "l2", np.arange(L), mask=jnp.ones((1, L), bool)))
 
 fn = jax.jit(loss if kind == "forward" else jax.grad(loss))
 def rss(field):
@@ -53,52 +58,57 @@ def rss(field):
 base = rss("VmRSS:")
 temp = fn.lower(h).compile().memory_analysis().temp_size_in_bytes
 if repeats < 0:  # --compile-only: the compiled program's temporaries, nothing run
-    print(json.dumps({"version": version, "L": L, "kind": kind, "temp_bytes": temp, "compile_only": True}))
+    print(json.dumps({"version": version, "L": L, "d": d, "kind": kind, "temp_bytes": temp,
+                      "compile_only": True}))
     sys.exit(0)
 t0 = time.perf_counter(); jax.block_until_ready(fn(h)); first = time.perf_counter() - t0
 times = []
 for _ in range(repeats):
     t0 = time.perf_counter(); jax.block_until_ready(fn(h)); times.append(time.perf_counter() - t0)
 peak = rss("VmHWM:") - base
-print(json.dumps({"version": version, "L": L, "kind": kind, "temp_bytes": temp, "peak_rss_above_inputs": peak,
-                  "first_s": first, "median_s": float(np.median(times)) if times else first}))
+print(json.dumps({"version": version, "L": L, "d": d, "kind": kind, "temp_bytes": temp,
+                  "peak_rss_above_inputs": peak, "first_s": first,
+                  "median_s": float(np.median(times)) if times else first}))
 """
 
 
-def measure(version: int, length: int, kind: str, repeats: int) -> dict:
+def measure(version: int, length: int, kind: str, repeats: int, d_model: int = 768) -> dict:
     """One measurement in a fresh process (so peak RSS is its own)."""
     out = subprocess.run(
-        [sys.executable, "-c", WORKER, str(version), str(length), kind, str(repeats)],
+        [sys.executable, "-c", WORKER, str(version), str(length), kind, str(repeats), str(d_model)],
         capture_output=True, text=True, env=dict(os.environ),
     )  # fmt: skip
     if out.returncode != 0:
-        return {"version": version, "L": length, "kind": kind, "error": out.stderr.strip().splitlines()[-1]}
+        return {"version": version, "L": length, "d": d_model, "kind": kind,
+                "error": out.stderr.strip().splitlines()[-1]}  # fmt: skip
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def table(rows: list[dict]) -> str:
-    """Markdown: per version and length, forward vs gradient (time, XLA temp, peak RSS) and ratios."""
+    """Markdown: per version, width and length, forward vs gradient (time, XLA temp, peak RSS) and the
+    gradient/forward ratios (the targets: time <= 4x, peak <= 3x)."""
     gib = 1024**3
-    by = {(r["version"], r["L"], r["kind"]): r for r in rows}
+    by = {(r["version"], r.get("d", 768), r["L"], r["kind"]): r for r in rows}
     lines = [
-        "| model | L | forward s | gradient s | forward temp GiB | gradient temp GiB | temp ratio "
-        "| forward peak GiB | gradient peak GiB | peak ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| model | L | forward s | gradient s | time ratio | forward temp GiB | gradient temp GiB "
+        "| temp ratio | forward peak GiB | gradient peak GiB | peak ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for version, length in sorted({(r["version"], r["L"]) for r in rows}):
-        f, g = by.get((version, length, "forward")), by.get((version, length, "grad"))
+    for version, d, length in sorted({(r["version"], r.get("d", 768), r["L"]) for r in rows}):
+        f, g = by.get((version, d, length, "forward")), by.get((version, d, length, "grad"))
+        name = f"Mamba-{version} d {d} layer"
         if not f or not g or "error" in f or "error" in g:
-            lines.append(f"| Mamba-{version} | {length} | {f} | {g} |")
+            lines.append(f"| {name} | {length} | {f} | {g} |")
             continue
         if f.get("compile_only") or g.get("compile_only"):
             lines.append(
-                f"| Mamba-{version} 130m layer | {length} | - | - | {f['temp_bytes'] / gib:.3f} "
+                f"| {name} | {length} | - | - | - | {f['temp_bytes'] / gib:.3f} "
                 f"| {g['temp_bytes'] / gib:.3f} | {g['temp_bytes'] / f['temp_bytes']:.2f}x | - | - | - |"
             )
             continue
-        g_s = f"{g['median_s']:.2f}" if "unfinished_after_s" not in g else f"> {g['unfinished_after_s']:.0f}"
         lines.append(
-            f"| Mamba-{version} 130m layer | {length} | {f['median_s']:.2f} | {g_s} "
+            f"| {name} | {length} | {f['median_s']:.2f} | {g['median_s']:.2f} "
+            f"| {g['median_s'] / f['median_s']:.1f}x "
             f"| {f['temp_bytes'] / gib:.3f} | {g['temp_bytes'] / gib:.3f} "
             f"| {g['temp_bytes'] / f['temp_bytes']:.2f}x "
             f"| {f['peak_rss_above_inputs'] / gib:.3f} | {g['peak_rss_above_inputs'] / gib:.3f} "
@@ -112,6 +122,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096])
     p.add_argument("--versions", type=int, nargs="+", default=[1, 2], choices=(1, 2))
+    p.add_argument("--d-model", type=int, default=768, help="the layer's width (768: 130m)")
     p.add_argument("--repeats", type=int, default=2, help="timed calls after the first (0 above L = 2048)")
     p.add_argument(
         "--compile-only", action="store_true", help="only XLA's compiled temporaries (no run: long L)"
@@ -124,7 +135,7 @@ def main(argv=None) -> int:
         for length in args.lengths:
             for kind in ("forward", "grad"):
                 repeats = -1 if args.compile_only else (args.repeats if length <= 2048 else 0)
-                r = measure(version, length, kind, repeats)
+                r = measure(version, length, kind, repeats, args.d_model)
                 rows.append(r)
                 print(json.dumps(r), flush=True)
     out = Path(args.out)

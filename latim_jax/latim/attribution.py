@@ -95,7 +95,7 @@ def conservation_error(
 @jit_model_fn(static_argnames=("mode", "ctx"))
 def _layer_conservation(block, h, mask, embeddings, *, mode, ctx):
     f = factors(block, h, mask, ctx, mode, embeddings=embeddings)
-    rec = token_sum(f, jnp.arange(f.length)) + f.bias
+    rec = token_sum(f, np.arange(f.length)) + f.bias
     valid = mask.astype(f32)
     num = jnp.linalg.norm(rec - f.output, axis=-1) * valid
     den = jnp.linalg.norm(f.output, axis=-1) * valid
@@ -259,7 +259,9 @@ def _run(model, x, req: Request, ctx: Context, targets) -> Attribution:
             else:
                 block = model.layers[layer]
                 side = side_input(block, x.h)
-                out = score_layer(block, h_in, x.mask, row_idx, direction, side, job=job, ctx=ctx)
+                every = req.rows is None and n_real == x.h.shape[1]  # None: every row, a static schedule
+                rows = None if every else row_idx
+                out = score_layer(block, h_in, x.mask, rows, direction, side, job=job, ctx=ctx)
             if job.with_next:
                 h, at = out.pop("next"), layer + 1
             out = keep(out)
@@ -386,7 +388,10 @@ def score_layer(block, h, mask, rows, direction, embeddings=None, *, job: LayerJ
     """One layer: {"scores" (b, r, l)} plus, for logit, "bias" (b, r) [and "alti" (b, l, l)], and for
     the paper mode "error" (b,): mean over real positions of ||o_i - beta_i - sum_j T_i(x_j)|| / ||o_i||
     (O(l): one scan, the factors' token_total); with_next: "next" = h + o, the stream entering the next
-    layer (from this layer's own intermediates: no second scan)."""
+    layer (from this layer's own intermediates: no second scan). ``rows`` None: every row, known when
+    the program is traced, so the block loop visits only the causal tiles with no branch (see
+    :func:`latim_jax.latim.blocking.blocked`: under ``jax.grad`` that keeps the backward O(L^2))."""
+    rows = np.arange(h.shape[1]) if rows is None else rows
     f = factors(
         block, h, mask, ctx, job.mode, hold_fixed=job.hold_fixed, with_total=job.with_error,
         embeddings=embeddings,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from latim_jax.kernels.block_sizes import Blocks
 
@@ -35,11 +36,20 @@ class DefaultTiles:
         return tiles(2, self.length, n_rows, blocks)
 
 
+def as_rows(rows):
+    """Target rows as int32, numpy kept as numpy (a schedule known when tracing: see :func:`blocked`)."""
+    if isinstance(rows, np.ndarray):
+        return rows.astype(np.int32, copy=False)
+    return jnp.asarray(rows, jnp.int32)
+
+
 def row_tiles(rows, tile_rows: int):
-    """``rows`` (r,) as (n_tiles, tile_rows), the last tile padded by repeating its final row."""
+    """``rows`` (r,) as (n_tiles, tile_rows), the last tile padded by repeating its final row (numpy in,
+    numpy out)."""
+    xp = np if isinstance(rows, np.ndarray) else jnp
     r = rows.shape[0]
     n = -(-r // tile_rows)
-    padded = jnp.concatenate([rows, jnp.full((n * tile_rows - r,), rows[-1], rows.dtype)])
+    padded = xp.concatenate([rows, xp.full((n * tile_rows - r,), rows[-1], rows.dtype)])
     return padded.reshape(n, tile_rows)
 
 
@@ -52,7 +62,14 @@ def blocked(tile, rows, length: int, blocks: Blocks, *, init=None, combine=None)
     per row) need no stacked per-tile output. Returns the blocks stitched to (b, len(rows), length,
     ...), or None, and with ``init`` the (blocks, accumulator) pair.
 
-    Each step is rematerialised under differentiation (jax.checkpoint around the cond: a checkpoint
+    ``rows`` as a numpy array (known when the program is traced: every row, the usual case) gives a
+    static schedule: the loop visits only the causal pairs, with no branch. A traced ``rows`` visits
+    every pair and skips the non-causal ones with a ``lax.cond``. The two give the same values; they
+    differ under ``jax.grad``: the transpose of a cond returns each tile's cotangent of the closed-over
+    factors as a full-size array added outside the branch (O(l e) per tile: the gradient grows as
+    L^3), where a branch-free step's gathers transpose to scatter-adds that XLA accumulates in place.
+
+    Each step is rematerialised under differentiation (jax.checkpoint around the step; a checkpoint
     inside a cond's branch is not honoured), so a gradient holds O(output + one tile), like the
     forward. Flat rather than nested (rows outer, columns inner): the cotangents of the closed-over
     factors are then accumulated at one loop level, not two (a nested loop kept both levels' full-size
@@ -60,34 +77,48 @@ def blocked(tile, rows, length: int, blocks: Blocks, *, init=None, combine=None)
     0.89 GiB).
     """
     n_cb = -(-length // blocks.cols)
+    static = isinstance(rows, np.ndarray)
     rows_t = row_tiles(rows, blocks.rows)  # (n_rb, br)
     n_rb = rows_t.shape[0]
     folding = init is not None
 
-    @jax.checkpoint
-    def step(acc, args):
-        ri, j0 = args
-        rb = rows_t[ri]
+    def compute(acc, ri, j0):
+        out = tile(jnp.asarray(rows_t)[ri], j0)
+        if not folding:
+            return out, acc
+        out, part = out
+        return out, combine(acc, part, ri)
 
-        def compute(acc):
-            out = tile(rb, j0)
-            if not folding:
-                return out, acc
-            out, part = out
-            return out, combine(acc, part, ri)
+    if static:  # the causal pairs only, no branch
+        ri, cj = np.nonzero(np.arange(n_cb)[None, :] * blocks.cols <= rows_t.max(1)[:, None])
+        xs = (jnp.asarray(ri, jnp.int32), jnp.asarray(cj * blocks.cols, jnp.int32))
 
-        shape = jax.eval_shape(compute, acc)[0]
+        @jax.checkpoint
+        def step(acc, args):
+            out, acc = compute(acc, *args)
+            return acc, out
 
-        def skip(acc):
-            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shape), acc
+    else:
+        ri = jnp.repeat(jnp.arange(n_rb), n_cb)
+        xs = (ri, jnp.tile(jnp.arange(n_cb) * blocks.cols, n_rb))
 
-        out, acc = jax.lax.cond(j0 <= jnp.max(rb), compute, skip, acc)
-        return acc, out
+        @jax.checkpoint
+        def step(acc, args):
+            ri, j0 = args
+            shape = jax.eval_shape(compute, acc, ri, j0)[0]
 
-    ri = jnp.repeat(jnp.arange(n_rb), n_cb)
-    j0 = jnp.tile(jnp.arange(n_cb) * blocks.cols, n_rb)
-    acc, out = jax.lax.scan(step, init, (ri, j0))  # out (n_rb * n_cb, b, br, bc, ...) or None
+            def skip(acc, ri, j0):
+                return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shape), acc
+
+            out, acc = jax.lax.cond(j0 <= jnp.max(rows_t[ri]), compute, skip, acc, ri, j0)
+            return acc, out
+
+    acc, out = jax.lax.scan(step, init, xs)  # out (n_steps, b, br, bc, ...) or None
     if out is not None:
+        if static:  # every pair: the computed tiles, zeros above the diagonal
+            at = np.full(n_rb * n_cb, len(ri))
+            at[ri * n_cb + cj] = np.arange(len(ri))
+            out = jnp.concatenate([out, jnp.zeros_like(out[:1])])[at]
         out = out.reshape(n_rb, n_cb, *out.shape[1:])
         out = jnp.moveaxis(out, 2, 0)  # (b, n_rb, n_cb, br, bc, ...)
         tail = out.shape[5:]

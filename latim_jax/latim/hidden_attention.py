@@ -16,6 +16,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from latim_jax.kernels import f32
 from latim_jax.kernels.block_sizes import Blocks
@@ -120,7 +121,7 @@ def hidden_attention_range(ssm: SSM, mask, blocks: Blocks, rows=None):
     def widen(acc, part, _):
         return jnp.minimum(acc[0], part[0]), jnp.maximum(acc[1], part[1])
 
-    rows = jnp.arange(length) if rows is None else rows
+    rows = np.arange(length) if rows is None else rows  # numpy: a static schedule (blocked)
     _, (lo, hi) = blocked(tile, rows, length, full, init=_empty_range(ssm), combine=widen)
     return lo, hi
 

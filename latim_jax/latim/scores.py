@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from latim_jax.kernels import f32, fused_scores
 from latim_jax.kernels.block_sizes import Blocks
 from latim_jax.kernels.fused_scores_tiles import alti_gain_signed
-from latim_jax.latim.blocking import blocked, row_tiles
+from latim_jax.latim.blocking import as_rows, blocked, row_tiles
 from latim_jax.latim.hidden_attention import (
     AGGREGATIONS,
     DEFAULT_AGGREGATION,
@@ -90,7 +90,7 @@ def blocked_scores(f, method: str, rows, aux=None, *, blocks: Blocks | None = No
     """The tiled XLA path: unnormalised scores (b, len(rows), l) (alti before its row normalisation;
     "logit+alti": (b, r, l, 2)). The fused kernel's reference: its tests compare the two, and its
     backward is this function's VJP."""
-    rows = jnp.asarray(rows, jnp.int32)
+    rows = as_rows(rows)
     blocks = f.tiles(rows.shape[0], blocks)
     return blocked(
         lambda rb, j0: pair_score(f, method, rb, j0, blocks, aux, precision), rows, f.length, blocks

@@ -1,0 +1,159 @@
+"""The block loop's two schedules (latim_jax.latim.blocking.blocked): rows known when tracing (numpy: only
+the causal tiles, no branch) and traced rows (every tile, a cond skipping the non-causal ones) give the
+same scores and the same gradients, and the static one really visits only the causal tiles."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import rel_err as rel
+
+import latim_jax
+from latim_jax import Blocks
+from latim_jax.latim.blocking import blocked
+from latim_jax.latim.kinds import layer_factors
+from latim_jax.latim.scores import layer_scores, token_sum
+from latim_jax.model.config import MambaConfig
+from latim_jax.model.init import init_params
+
+CONFIGS = {
+    "m1": MambaConfig(version=1, d_model=16, n_layers=1, vocab_size=32, d_state=4, d_conv=4),
+    "m2": MambaConfig(
+        version=2, d_model=16, n_layers=1, vocab_size=32, d_state=4, d_conv=3, head_dim=8, n_groups=2,
+        chunk_size=4,
+    ),
+}  # fmt: skip
+L = 13
+BLOCKS = Blocks(rows=4, cols=3)  # 4 row tiles x 5 column tiles, the last of each partial
+
+
+def _model(name):
+    cfg = CONFIGS[name]
+    model = latim_jax.MambaLM(cfg, init_params(cfg, seed=5))
+    t = jnp.asarray(np.random.default_rng(1).integers(0, 32, (2, L)))
+    mask = jnp.ones((2, L), bool).at[1, :3].set(False)  # left padding in the second prompt
+    return model, model.forward(t, mask=mask, impl="xla").residuals[0], mask
+
+
+def _scores(model, mask, method, rows, **kw):
+    def fn(h):
+        f = layer_factors(model, h, 0, "exact", mask=mask, impl="xla")
+        return layer_scores(f, method, rows, mask=mask, blocks=BLOCKS, **kw)
+
+    return fn
+
+
+@pytest.mark.parametrize("name", ["m1", "m2"])
+@pytest.mark.parametrize("method", ["l2", "alti", "hidden_attention"])
+@pytest.mark.parametrize("subset", [False, True])  # every row; a subset, unsorted, repeated
+def test_static_schedule_equals_traced_in_values_and_gradients(name, method, subset):
+    model, h, mask = _model(name)
+    rows = np.array([12, 0, 5, 7, 7]) if subset else np.arange(L)
+    static = _scores(model, mask, method, rows)
+    traced = jax.jit(lambda h, r: _scores(model, mask, method, r)(h))  # rows an argument: traced
+    want = traced(h, jnp.asarray(rows))
+    got = jax.jit(static)(h)
+    assert rel(got, want) < 1e-6
+    assert float(jnp.abs(got).max()) > 0
+    w = jax.random.normal(jax.random.key(0), want.shape)
+    g_static = jax.grad(lambda h: jnp.sum(w * static(h)))(h)
+    g_traced = jax.grad(lambda h: jnp.sum(w * traced(h, jnp.asarray(rows))))(h)
+    assert rel(g_static, g_traced) < 1e-5
+    assert float(jnp.abs(g_static).max()) > 0
+
+
+@pytest.mark.parametrize("name", ["m1", "m2"])
+def test_static_token_sum_equals_scan_total(name):
+    """The folding form (combine into an accumulator) on the static schedule: the blocked sum over
+    sources equals the factors' own scanned total (an independent path)."""
+    model, h, mask = _model(name)
+    f = layer_factors(model, h, 0, "exact", mask=mask, impl="xla")
+    got = token_sum(f, np.arange(L), blocks=BLOCKS)
+    assert rel(got, f.token_total) < 1e-5
+
+
+def _scan_lengths(fn, *args):
+    """The lengths of the scans in fn's jaxpr, nested ones included."""
+    out = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "scan":
+                out.append(eqn.params["length"])
+            for p in eqn.params.values():
+                for j in p if isinstance(p, tuple | list) else (p,):
+                    inner = getattr(j, "jaxpr", j)  # a ClosedJaxpr or a Jaxpr
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return out
+
+
+def test_static_schedule_visits_only_causal_tiles_without_a_branch():
+    rows, length, blocks = np.arange(10), 10, Blocks(rows=4, cols=3)  # 3 row tiles x 4 column tiles
+
+    def tile(rb, j0):
+        return jnp.ones((1, 4, 3)) * (rb[:, None] + 100 * j0)[None]
+
+    # causal pairs: row tile 0 (rows 0-3) columns 0, 3; tile 1 (4-7) 0, 3, 6; tile 2 (8, 9, 9, 9) all 4
+    assert _scan_lengths(lambda: blocked(tile, rows, length, blocks)) == [9]
+    assert _scan_lengths(lambda r: blocked(tile, r, length, blocks), jnp.asarray(rows)) == [12]
+    jaxpr = str(jax.make_jaxpr(lambda: blocked(tile, rows, length, blocks))())
+    assert "cond" not in jaxpr
+    got = np.asarray(blocked(tile, rows, length, blocks))[0]
+    j = np.arange(length)
+    want = np.where((j // 3 * 3)[None, :] <= np.array([3, 3, 3, 3, 7, 7, 7, 7, 9, 9])[:, None],
+                    rows[:, None] + 100 * (j // 3 * 3)[None, :], 0)  # fmt: skip
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got, np.asarray(blocked(tile, jnp.asarray(rows), length, blocks))[0])
+
+
+def test_attribute_every_row_equals_explicit_rows():
+    """attribute passes every row as a static schedule, an explicit list of them as traced rows."""
+    cfg = dataclasses.replace(CONFIGS["m1"], n_layers=2)
+    model = latim_jax.MambaLM(cfg, init_params(cfg, seed=2))
+    t = np.random.default_rng(2).integers(0, 32, (2, L))
+    for method in ("l2", "alti"):
+        every = latim_jax.attribute(model, t, method=method, blocks=BLOCKS).scores
+        listed = latim_jax.attribute(model, t, method=method, blocks=BLOCKS, rows=list(range(L))).scores
+        assert rel(every, listed) < 1e-6
+
+
+def test_tap_products_differentiate_as_the_plain_broadcast_products():
+    """tap_sum and gated carry einsum tangents (for XLA:CPU's backward): their jvp and vjp equal jax's
+    own differentiation of the plain broadcast products they compute."""
+    from latim_jax.latim.mamba import gated, tap_sum
+
+    k = jax.random.split(jax.random.key(1), 6)
+    M, a = jax.random.normal(k[0], (2, 5, 6 + 3, 3)), jax.random.normal(k[1], (4, 2, 6, 3, 2))
+    G, acc = jax.random.normal(k[2], (2, 5, 6)), jax.random.normal(k[3], (2, 5, 4, 6))
+
+    def plain_tap(M, a):
+        return sum(M[:, :, i : i + 6, :, None] * a[i][:, None] for i in range(4))
+
+    def plain_gate(G, acc):
+        return G[:, :, None] * acc
+
+    for fast, plain, args in ((tap_sum, plain_tap, (M, a)), (gated, plain_gate, (G, acc))):
+        np.testing.assert_allclose(fast(*args), plain(*args), rtol=1e-6)
+        t = tuple(jax.random.normal(k[4], x.shape) for x in args)
+        jvp = [jax.jvp(f, args, t)[1] for f in (fast, plain)]
+        np.testing.assert_allclose(jvp[0], jvp[1], rtol=1e-5, atol=1e-6)
+        w = jax.random.normal(k[5], plain(*args).shape)
+        g_fast, g_plain = (
+            jax.grad(lambda *x, f=f, w=w: jnp.sum(w * f(*x)), argnums=(0, 1))(*args) for f in (fast, plain)
+        )
+        for gf, gp in zip(g_fast, g_plain, strict=True):
+            np.testing.assert_allclose(gf, gp, rtol=1e-5, atol=1e-6)
+        # second order (grad x input differentiates through a gradient): Hessian-vector products agree
+        hvp = [
+            jax.jvp(jax.grad(lambda *x, f=f: jnp.sum(jnp.sin(f(*x))), argnums=(0, 1)), args, t)[1]
+            for f in (fast, plain)
+        ]
+        for hf, hp in zip(*hvp, strict=True):
+            np.testing.assert_allclose(hf, hp, rtol=1e-4, atol=1e-5)
