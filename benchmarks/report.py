@@ -43,6 +43,10 @@ python benchmarks/bench_precision.py
 python benchmarks/one_layer_time.py 2 4096
 # the gradient's time and memory against the forward
 python benchmarks/bench_gradients.py --lengths 256 1024 4096
+python benchmarks/bench_gradients.py --d-model 128 --lengths 1024 2048 4096 \\
+    --out benchmarks/results/gradients_d128.json
+python benchmarks/bench_gradients.py --lengths 1024 --repeats 1 \\
+    --out benchmarks/results/gradients_130m_1024.json
 # a Nemotron-H-shaped hybrid beside Mamba-2 (last row at 4096, full map at 1024; ~12 min)
 python benchmarks/bench_hybrid.py
 # grad_input before / after the gathered target logits (one process, values compared)
@@ -63,6 +67,8 @@ python benchmarks/gpu_check.py
 CURRENT = (
     "hybrid",  # a Nemotron-H-shaped hybrid beside plain Mamba-2 of the same width (issue 25)
     "collectives",  # what a model-parallel run moves per layer, and a 7B pod estimate (issue 26)
+    "gradients_130m_1024",  # the gradient against the forward after the static schedule (issue 26)
+    "gradients_d128",  # the same at a small width, L = 1024 / 2048 / 4096 (issue 26)
     "grad_input",  # grad_input through the gathered target logits against the whole-logits VJP (issue 26)
     "ab_redesign",  # the redesign (issue 24) against the code before it, same workloads, one job
     "vs_torch_model_512",  # the whole 24-layer 130m model at L = 512 against the fair PyTorch
