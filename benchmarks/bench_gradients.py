@@ -13,7 +13,7 @@ median of ``--repeats`` further calls.
 (L = 4096 at d 768 dominates: tens of minutes per gradient call on 2 CPU cores.) With --compile-only
 only the compiled programs' temporaries are measured (seconds per cell, any L). The workers inherit
 the environment: ``XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=dot`` measures without XLA:CPU's
-YNNPACK reduce fusions (see docs/guide/performance.md).
+YNNPACK reduce fusions (see docs/gradients.md).
 """
 
 from __future__ import annotations
@@ -106,9 +106,15 @@ def table(rows: list[dict]) -> str:
                 f"| {g['temp_bytes'] / gib:.3f} | {g['temp_bytes'] / f['temp_bytes']:.2f}x | - | - | - |"
             )
             continue
+        unfinished = "unfinished_after_s" in g  # a call stopped past that many seconds
+        g_s = f"> {g['unfinished_after_s']:.0f}" if unfinished else f"{g['median_s']:.2f}"
+        ratio = (
+            f"> {g['unfinished_after_s'] / f['median_s']:.1f}x"
+            if unfinished
+            else f"{g['median_s'] / f['median_s']:.1f}x"
+        )
         lines.append(
-            f"| {name} | {length} | {f['median_s']:.2f} | {g['median_s']:.2f} "
-            f"| {g['median_s'] / f['median_s']:.1f}x "
+            f"| {name} | {length} | {f['median_s']:.2f} | {g_s} | {ratio} "
             f"| {f['temp_bytes'] / gib:.3f} | {g['temp_bytes'] / gib:.3f} "
             f"| {g['temp_bytes'] / f['temp_bytes']:.2f}x "
             f"| {f['peak_rss_above_inputs'] / gib:.3f} | {g['peak_rss_above_inputs'] / gib:.3f} "

@@ -223,6 +223,8 @@ def _run(model, x, req: Request, ctx: Context, targets) -> Attribution:
     """Score the request's layers in one pass over the model (see :func:`attribute`)."""
     job, n_real = req.job, x.length  # x may carry bucket padding past the caller's length
     row_idx = jnp.arange(n_real) if req.rows is None else jnp.asarray(req.rows, jnp.int32)
+    # score_layer's rows: None for every row of the stream, known when tracing (a static schedule)
+    score_rows = None if req.rows is None and n_real == x.h.shape[1] else row_idx
     if targets is not None:
         targets = jnp.pad(targets, ((0, 0), (0, x.h.shape[1] - n_real)))  # any id at the extra positions
         if ctx.mesh is not None:
@@ -259,9 +261,7 @@ def _run(model, x, req: Request, ctx: Context, targets) -> Attribution:
             else:
                 block = model.layers[layer]
                 side = side_input(block, x.h)
-                every = req.rows is None and n_real == x.h.shape[1]  # None: every row, a static schedule
-                rows = None if every else row_idx
-                out = score_layer(block, h_in, x.mask, rows, direction, side, job=job, ctx=ctx)
+                out = score_layer(block, h_in, x.mask, score_rows, direction, side, job=job, ctx=ctx)
             if job.with_next:
                 h, at = out.pop("next"), layer + 1
             out = keep(out)

@@ -256,7 +256,7 @@ def gated(G, acc):
 
 
 @gated.defjvp
-def _gate_jvp(primals, tangents):
+def _gated_jvp(primals, tangents):
     G, acc = primals
     dG, dacc = tangents
     return gated(G, acc), jnp.einsum("bre,brqe->brqe", dG, acc) + G[:, :, None] * dacc
