@@ -6,9 +6,10 @@
 
 1. Verify: every kernel on random inputs (odd lengths, groups 1 and 2, bf16 inputs, initial state)
    against its pure-jnp reference; the max |kernel - reference| / max |reference| per output.
-2. Time: one 130m-shaped layer, forward only, median of several runs after a warm-up, for the kernel
-   (impl="pallas") and the XLA reference (impl="xla"): Mamba-1 e=1536, n=16; Mamba-2 h=24, p=64,
-   n=128, g=1; L = 1024 and 4096, batch 1.
+2. Time: one 130m-shaped layer, median of several runs after a warm-up, for the kernel
+   (impl="pallas") and the XLA reference (impl="xla"): Mamba-1 e=1536, n=16 (forward, and the gradient
+   of every input: the Pallas backward against jax's differentiation of the reference); Mamba-2 h=24,
+   p=64, n=128, g=1; L = 1024 and 4096, batch 1.
 
 Hooks: each row of either table comes from an entry of ``CHECKS`` / ``TIMINGS`` (``register_check``,
 ``register_timing``); a later kernel (for example the fused-score kernel) registers its own entries
@@ -128,6 +129,27 @@ def _ssd_reference(*args):
     return ssd_reference(*args[:6], 64, args[6] if len(args) > 6 else None)
 
 
+def _scan_loss(scan):
+    """A scalar of every scan output (for the gradient rows): sum sin(y) + sum final_state."""
+
+    def loss(*args):
+        y, final = scan(*args)
+        return jnp.sum(jnp.sin(y)) + jnp.sum(final)
+
+    return loss
+
+
+def _scan_grad_kernel(*args, **kw):
+    """Gradients of ``_scan_loss`` through the kernel's forward and its Pallas backward."""
+    kernel = functools.partial(_scan_kernel, **kw)
+    return jax.grad(_scan_loss(kernel), argnums=tuple(range(len(args))))(*args)
+
+
+def _scan_grad_reference(*args):
+    """The same gradients by jax's differentiation of the reference scan (an independent path)."""
+    return jax.grad(_scan_loss(_scan_reference), argnums=tuple(range(len(args))))(*args)
+
+
 # Relative-error bounds (max |err| / max |ref|). Both paths compute in fp32 from the same inputs; the
 # bound leaves room for sequential-vs-associative rounding at L = 4096 and approximate GPU exp.
 TOL = {"float32": 1e-4, "bfloat16": 2e-4}
@@ -154,8 +176,13 @@ def _register_scan_rows():
             register_check(
                 Check(f"{label} {name}{' init' if init else ''}", build, kernel, reference, TOL[name])
             )
+    for label, shape, smoke in (("mamba1 grad prime l", (2, 1031, 1536, 16), (2, 13, 16, 8)),):
+        build = functools.partial(_case_inputs, mamba1_inputs, shape, smoke, jnp.float32, True)
+        register_check(Check(label, build, _scan_grad_kernel, _scan_grad_reference, TOL["float32"]))
+    m1 = lambda l: mamba1_inputs(1, l, 1536, 16)  # noqa: E731
     for name, make, kernel, reference in (
-        ("mamba1 scan e=1536 n=16", lambda l: mamba1_inputs(1, l, 1536, 16), _scan_kernel, _scan_reference),
+        ("mamba1 scan e=1536 n=16", m1, _scan_kernel, _scan_reference),
+        ("mamba1 scan grad e=1536 n=16", m1, _scan_grad_kernel, _scan_grad_reference),
         (
             "mamba2 ssd h=24 p=64 n=128 g=1",
             lambda l: mamba2_inputs(1, l, 24, 64, 128, 1),

@@ -17,8 +17,10 @@ kernels/fused_scores.py):
   temporaries); ``m1_few_rows``: a row tile of at most this many rows takes the direct form on every
   tile (a few rows: cheaper than transposing the far tiles' factored operand).
 The scan kernels (kernels/selective_scan.py, kernels/ssd.py):
-- ``scan_block_l`` (Mamba-1, TPU): time steps per grid step; a lane dimension of the transposed B/C
-  blocks, so a multiple of 128 (or the whole 8-padded sequence). The GPU variant ignores it.
+- ``scan_block_l`` (Mamba-1): the chunk whose entering state the forward saves for the backward (which
+  recomputes the chunk's states from it). TPU: time steps per grid step; a lane dimension of the
+  transposed B/C blocks, so a multiple of 128 (or the whole 8-padded sequence). GPU: the checkpoint
+  spacing, a power of two of at most 64 (the backward unrolls one chunk).
 - ``scan_block_e`` (Mamba-1): channels per program. TPU: multiple of 128 (or all of e); GPU: a power of
   two (e is zero-padded to a multiple of it).
 - ``ssd_chunk`` (Mamba-2): chunk length of the chunked SSD kernel; None in the resolved blocks means the
@@ -84,7 +86,7 @@ class Blocks:
                        num_warps_scan=1, num_warps_ssd=4, num_warps_scores=4,
                        vmem_limit_bytes=48 * 1024 * 1024)  # fmt: skip
         if platform == "gpu":
-            return cls(rows=16, cols=16, d=64, e=32, scan_block_l=256, scan_block_e=32, ssd_chunk=64,
+            return cls(rows=16, cols=16, d=64, e=32, scan_block_l=16, scan_block_e=32, ssd_chunk=64,
                        ssd_block_p=32, num_warps_scan=1, num_warps_ssd=8, num_warps_scores=4,
                        vmem_limit_bytes=48 * 1024 * 1024)  # fmt: skip
         return cls(rows=8, cols=64, e=1024, scan_block_l=512, scan_block_e=1024, num_warps_scan=1,
