@@ -7,9 +7,9 @@
 1. Verify: every kernel on random inputs (odd lengths, groups 1 and 2, bf16 inputs, initial state)
    against its pure-jnp reference; the max |kernel - reference| / max |reference| per output.
 2. Time: one 130m-shaped layer, median of several runs after a warm-up, for the kernel
-   (impl="pallas") and the XLA reference (impl="xla"): Mamba-1 e=1536, n=16 (forward, and the gradient
-   of every input: the Pallas backward against jax's differentiation of the reference); Mamba-2 h=24,
-   p=64, n=128, g=1; L = 1024 and 4096, batch 1.
+   (impl="pallas") and the XLA reference (impl="xla"), forward and the gradient of every input (the
+   Pallas backward against jax's differentiation of the reference): Mamba-1 e=1536, n=16; Mamba-2
+   h=24, p=64, n=128, g=1; L = 1024 and 4096, batch 1.
 
 Hooks: each row of either table comes from an entry of ``CHECKS`` / ``TIMINGS`` (``register_check``,
 ``register_timing``); a later kernel (for example the fused-score kernel) registers its own entries
@@ -139,15 +139,19 @@ def _scan_loss(scan):
     return loss
 
 
-def _scan_grad_kernel(*args, **kw):
-    """Gradients of ``_scan_loss`` through the kernel's forward and its Pallas backward."""
-    kernel = functools.partial(_scan_kernel, **kw)
-    return jax.grad(_scan_loss(kernel), argnums=tuple(range(len(args))))(*args)
+def _grad_of(scan):
+    """``scan``'s gradient of ``_scan_loss`` w.r.t. every input (keywords go to the scan)."""
+
+    def grads(*args, **kw):
+        fn = functools.partial(scan, **kw) if kw else scan
+        return jax.grad(_scan_loss(fn), argnums=tuple(range(len(args))))(*args)
+
+    return grads
 
 
-def _scan_grad_reference(*args):
-    """The same gradients by jax's differentiation of the reference scan (an independent path)."""
-    return jax.grad(_scan_loss(_scan_reference), argnums=tuple(range(len(args))))(*args)
+# the kernels' gradients (their Pallas backwards) and jax's differentiation of the references
+_scan_grad_kernel, _scan_grad_reference = _grad_of(_scan_kernel), _grad_of(_scan_reference)
+_ssd_grad_kernel, _ssd_grad_reference = _grad_of(_ssd_kernel), _grad_of(_ssd_reference)
 
 
 # Relative-error bounds (max |err| / max |ref|). Both paths compute in fp32 from the same inputs; the
@@ -176,19 +180,21 @@ def _register_scan_rows():
             register_check(
                 Check(f"{label} {name}{' init' if init else ''}", build, kernel, reference, TOL[name])
             )
-    for label, shape, smoke in (("mamba1 grad prime l", (2, 1031, 1536, 16), (2, 13, 16, 8)),):
-        build = functools.partial(_case_inputs, mamba1_inputs, shape, smoke, jnp.float32, True)
-        register_check(Check(label, build, _scan_grad_kernel, _scan_grad_reference, TOL["float32"]))
+    for label, make, shape, smoke, kernel, reference in (
+        ("mamba1 grad prime l", mamba1_inputs, (2, 1031, 1536, 16), (2, 13, 16, 8),
+         _scan_grad_kernel, _scan_grad_reference),
+        ("mamba2 grad prime l g=2", mamba2_inputs, (2, 1031, 24, 64, 128, 2), (2, 13, 4, 16, 16, 2),
+         _ssd_grad_kernel, _ssd_grad_reference),
+    ):  # fmt: skip
+        build = functools.partial(_case_inputs, make, shape, smoke, jnp.float32, True)
+        register_check(Check(label, build, kernel, reference, TOL["float32"]))
     m1 = lambda l: mamba1_inputs(1, l, 1536, 16)  # noqa: E731
+    m2 = lambda l: mamba2_inputs(1, l, 24, 64, 128, 1)  # noqa: E731
     for name, make, kernel, reference in (
         ("mamba1 scan e=1536 n=16", m1, _scan_kernel, _scan_reference),
         ("mamba1 scan grad e=1536 n=16", m1, _scan_grad_kernel, _scan_grad_reference),
-        (
-            "mamba2 ssd h=24 p=64 n=128 g=1",
-            lambda l: mamba2_inputs(1, l, 24, 64, 128, 1),
-            _ssd_kernel,
-            _ssd_reference,
-        ),
+        ("mamba2 ssd h=24 p=64 n=128 g=1", m2, _ssd_kernel, _ssd_reference),
+        ("mamba2 ssd grad h=24 p=64 n=128 g=1", m2, _ssd_grad_kernel, _ssd_grad_reference),
     ):
         register_timing(Timing(name, (1024, 4096), make, kernel, reference))
 

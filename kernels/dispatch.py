@@ -11,8 +11,8 @@ returns the same pytree.
 
 ``block_sizes`` (a :class:`~latim_jax.kernels.block_sizes.Blocks`) tunes the Pallas tiles; None fields
 take ``Blocks.for_platform``'s. Both Pallas paths accept ``initial_state`` in the kernel and are
-differentiable: Mamba-1's backward is a Pallas kernel (reverse mode; forward mode needs the XLA path),
-Mamba-2's the reference's VJP (either mode).
+differentiable through Pallas backward kernels (reverse mode, any order; forward mode needs the XLA
+path).
 """
 
 from __future__ import annotations

@@ -29,12 +29,11 @@ from latim_jax.parallel.context import resolve
 
 # Tolerances: max |kernel - reference| / max |reference|, per output. Both paths upcast the inputs to
 # fp32 and compute in fp32 (measured: <= 4e-7 for fp32 and bf16 inputs alike); the bf16 bound is looser
-# only as headroom, since bf16 inputs change the data, not the arithmetic. Gradients: Mamba-1's backward
-# is a Pallas kernel of its own (recomputing each chunk from a saved state), compared with jax's
-# differentiation of the reference scan (measured <= 3e-7); Mamba-2's backward is the reference VJP
-# (it reuses the saved inputs), so there the kernel and reference grads agree to rounding by
-# construction and what can fail is the backward against the kernel's own forward, checked for both by
-# central finite differences of the kernel (fp32, eps 1e-3: a directional derivative within 1e-2).
+# only as headroom, since bf16 inputs change the data, not the arithmetic. Gradients: each scan's
+# backward is a Pallas kernel of its own (recomputing each chunk from a state the forward saved),
+# compared with jax's differentiation of the reference (an independent path; measured <= 3e-7 for
+# Mamba-1, <= 1.4e-6 for Mamba-2's dA, a sum over every step), and with central finite differences of
+# the kernel (fp32, eps 1e-3: a directional derivative within 1e-2).
 TOL = {
     ("forward", jnp.float32): 1e-5,
     ("forward", jnp.bfloat16): 5e-5,
@@ -242,7 +241,7 @@ def _assert_grads_close(grads, ref_grads):
 # (variant, with initial state, length): each variant with and without a state to start from; the
 # Mamba-1 backward walks one chunk (5 steps) and three chunks with a ragged tail (21 steps of 8).
 GRAD_CASES = [("tpu", True, 21), ("gpu", False, 5), ("gpu", True, 21)]
-SSD_GRAD_CASES = [("tpu", True), ("gpu", False)]
+SSD_GRAD_CASES = [("tpu", True, 21), ("gpu", False, 5), ("gpu", True, 21)]  # chunks of 8, g = 2
 
 
 def _grad_check(kernel, reference, args, h0, with_init):
@@ -268,37 +267,47 @@ def test_scan_grad_matches_reference(variant, with_init, l):
     _grad_check(scan_kernel(variant), scan_reference, args, h0, with_init)
 
 
+@pytest.mark.parametrize("kernel", ["scan", "ssd"])
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_scan_backward_kernel_differentiates_again_and_vmaps(variant):
-    """The gradient through the backward kernel is itself differentiable (a Hessian-vector product, as
+def test_backward_kernel_differentiates_again_and_vmaps(variant, kernel):
+    """The gradient through a backward kernel is itself differentiable (a Hessian-vector product, as
     grad x input scores need) and batches under vmap; forward mode stops with JAX's custom_vjp error."""
-    args, h0 = scan_inputs(13, **SCAN_SHAPE)
+    if kernel == "scan":
+        make, fn, reference = (
+            functools.partial(scan_inputs, **SCAN_SHAPE),
+            scan_kernel(variant),
+            scan_reference,
+        )
+    else:
+        make = functools.partial(ssd_inputs, **SSD_SHAPE, g=2)
+        fn, reference = ssd_kernel(variant), ssd_reference_8
+    args, h0 = make(13)
     args = (*args, h0)
     rng = np.random.default_rng(3)
-    kernel, weights = scan_kernel(variant), [_normal(rng, 2, 13, 16) for _ in range(2)]
+    weights = [_normal(rng, *args[0].shape) for _ in range(2)]
 
-    def loss(fn):
-        return lambda *a: jnp.sum(jnp.sin(fn(*a[:6], initial_state=a[6])[0]) * weights[0])
+    def loss(f):
+        return lambda *a: jnp.sum(jnp.sin(f(*a[:6], initial_state=a[6])[0]) * weights[0])
 
-    def hvp(fn):  # d/d(u) of <grad wrt delta, v>: reverse over reverse through the backward
-        inner = jax.grad(loss(fn), argnums=1)
-        return jax.jit(jax.grad(lambda *a: jnp.vdot(inner(*a), weights[1]), argnums=(0, 2)))(*args)
+    def hvp(f):  # d/d(x, A) of <grad wrt delta, v>: reverse over reverse through the backward
+        inner = jax.grad(loss(f), argnums=0)
+        return jax.jit(jax.grad(lambda *a: jnp.vdot(inner(*a), weights[1]), argnums=(1, 2)))(*args)
 
-    _assert_grads_close(hvp(kernel), hvp(scan_reference))
-    prompts = [(*scan_inputs(13, **SCAN_SHAPE, seed=s)[0], h0) for s in range(2)]
+    _assert_grads_close(hvp(fn), hvp(reference))
+    prompts = [(*make(13, seed=s)[0], h0) for s in range(2)]
     stacked = [jnp.stack(parts) for parts in zip(*prompts, strict=True)]
-    grad = jax.grad(loss(kernel), argnums=(0, 1, 3))
+    grad = jax.grad(loss(fn), argnums=(0, 1, 3))
     batched = jax.jit(jax.vmap(grad))(*stacked)
     looped = [jnp.stack(p) for p in zip(*(jax.jit(grad)(*a) for a in prompts), strict=True)]
     _assert_grads_close(batched, looped)
     assert not np.allclose(batched[0][0], batched[0][1])  # the prompts differ
     with pytest.raises(TypeError, match="custom_vjp"):
-        jax.jvp(loss(kernel), args, tuple(jnp.ones_like(a) for a in args))
+        jax.jvp(loss(fn), args, tuple(jnp.ones_like(a) for a in args))
 
 
-@pytest.mark.parametrize(("variant", "with_init"), SSD_GRAD_CASES)
-def test_ssd_grad_matches_reference(variant, with_init):
-    args, h0 = ssd_inputs(5, **SSD_SHAPE, g=2)
+@pytest.mark.parametrize(("variant", "with_init", "l"), SSD_GRAD_CASES)
+def test_ssd_grad_matches_reference(variant, with_init, l):
+    args, h0 = ssd_inputs(l, **SSD_SHAPE, g=2)
     _grad_check(ssd_kernel(variant), ssd_reference_8, args, h0, with_init)
 
 
@@ -422,8 +431,8 @@ def test_each_variant_launches_the_grid_its_blocks_imply(platform, kernel):
     """The structure each hardware variant launches (read from the traced pallas_call): one program per
     (batch, channel or head block, sequence block) on TPU, the sequence walked inside each program on
     GPU; blocks of the asked sizes; every input position inside the padded arrays the grid covers. Its
-    gradient launches the forward once (saving its checkpoints) and, for Mamba-1, the backward kernel on
-    the same grid (Mamba-2's backward is the reference's VJP, not a kernel)."""
+    gradient launches the forward once (saving its checkpoints) and the backward kernel on the same
+    grid."""
     fn, args = _lowering_case(kernel, False)
     fn = functools.partial(fn, block_sizes=LOWER_BLOCKS, platform=platform, interpret=False)
     (call,) = lowering.pallas_grids(fn, *args)
@@ -455,15 +464,21 @@ def test_each_variant_launches_the_grid_its_blocks_imply(platform, kernel):
         return jnp.sum(y * y) + jnp.sum(state)
 
     grads = lowering.pallas_grids(jax.value_and_grad(loss, argnums=(0, 1, 4)), *args)
-    assert [c["grid"] for c in grads] == [want_grid] * (2 if kernel == "scan" else 1)
-    if kernel == "scan":  # the forward saves one state per chunk; the backward reads them back
+    assert [c["grid"] for c in grads] == [want_grid] * 2
+    # the forward saves one state per chunk (its checkpoint output); the backward reads them back
+    if kernel == "scan":
         gpu_chunk = min(B.scan_block_l, GPU_MAX_CHUNK)  # the GPU checkpoint spacing, capped
         chunks = want_grid[2] if platform == "tpu" else ceil(l, gpu_chunk)
         width = B.scan_block_e
-        saved = (None, chunks, 16, width) if platform == "gpu" else (None, None, 16, width)
-        assert (saved, (b, chunks, 16, e)) in list(zip(grads[0]["blocks"], grads[0]["arrays"], strict=True))
-        assert (saved, (b, chunks, 16, e)) in list(zip(grads[1]["blocks"], grads[1]["arrays"], strict=True))
-        assert grads[1]["name"] == f"_scan_bwd_kernel_{platform}"
+        block = (None, chunks, 16, width) if platform == "gpu" else (None, None, 16, width)
+        saved = (block, (b, chunks, 16, e))
+    else:
+        chunks, n = lp // B.ssd_chunk, 32
+        block = (None, None, chunks, B.ssd_block_p, n) if platform == "gpu" else (None, None, None, p, n)
+        saved = (block, (b, h, chunks, p, n))
+    for call in grads:
+        assert saved in list(zip(call["blocks"], call["arrays"], strict=True)), (saved, call["blocks"])
+    assert grads[1]["name"] == f"_{kernel}_bwd_kernel_{platform}"
 
 
 def test_tpu_lowering_rejects_misaligned_blocks():
@@ -477,8 +492,7 @@ def test_tpu_lowering_rejects_misaligned_blocks():
 @pytest.mark.parametrize("kernel", ["scan", "ssd"])
 @pytest.mark.parametrize("platform", ["tpu", "gpu"])
 def test_gradient_lowers(platform, kernel):
-    """The backward (Mamba-1: its Pallas kernel; Mamba-2: the reference's rematerialised VJP through
-    the custom_jvp) lowers for the hardware together with the forward kernel it differentiates."""
+    """The backward kernel lowers for the hardware together with the forward kernel it differentiates."""
     fn, args = _lowering_case(kernel, False)
     fn = functools.partial(fn, block_sizes=LOWER_BLOCKS, platform=platform, interpret=False)
 
@@ -487,4 +501,4 @@ def test_gradient_lowers(platform, kernel):
         return jnp.sum(y * y) + jnp.sum(state)
 
     text = _lower(platform, jax.value_and_grad(loss, argnums=(0, 1, 4)), args)
-    assert text.count(CUSTOM_CALL[platform]) >= (2 if kernel == "scan" else 1)
+    assert text.count(CUSTOM_CALL[platform]) >= 2

@@ -108,16 +108,11 @@ def test_pallas_vmap_and_masked_gradients(version):
     g = jax.grad(loss)(x)
     # the Pallas path (interpret-mode kernels: scans and the fused score kernel) gives the same gradient
     assert rel(jax.grad(lambda x: loss(x, impl="pallas"))(x), g) < TOL["same"]
-    # ... and forward mode goes through the SSD and fused score kernels (custom_jvps), equal to grad . v;
-    # Mamba-1's scan has a Pallas backward (a custom_vjp): forward mode stops there with JAX's TypeError
+    # ... forward mode: the scans have Pallas backwards (custom_vjps), so it stops there with JAX's
+    # TypeError (the fused score kernel alone keeps forward mode: tests/kernels/test_kernels_scores.py)
     v = jnp.asarray(np.random.default_rng(4).normal(size=x.shape), jnp.float32)
-    if version == 1:
-        with pytest.raises(TypeError, match="custom_vjp"):
-            jax.jvp(lambda x: loss(x, impl="pallas"), (x,), (v,))
-    else:
-        _, tangent = jax.jvp(lambda x: loss(x, impl="pallas"), (x,), (v,))
-        scale = float(jnp.abs(g).sum() * jnp.abs(v).max())
-        assert abs(float(tangent) - float(jnp.vdot(g, v))) <= TOL["same"] * scale
+    with pytest.raises(TypeError, match="custom_vjp"):
+        jax.jvp(lambda x: loss(x, impl="pallas"), (x,), (v,))
     # grad x input through the Pallas scans (a second-order derivative of the kernels)
     gi = jax.grad(lambda x: jnp.sum(score(x, "grad_input", impl="pallas")))(x)
     assert rel(gi, jax.grad(lambda x: jnp.sum(score(x, "grad_input", impl="xla")))(x)) < TOL["same"]
