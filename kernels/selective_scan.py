@@ -413,11 +413,8 @@ def _scan_backward_gpu(delta, du, A, B, C, hs, dy, dhT, bs: Blocks, interpret: b
 
 
 def _prepare(u, delta, A, B, C, D, h0):
-    """fp32 copies of the inputs (h0 zeros where None)."""
-    u, delta, A, B, C, D = (t.astype(jnp.float32) for t in (u, delta, A, B, C, D))
-    if h0 is None:
-        h0 = jnp.zeros((u.shape[0], u.shape[2], A.shape[1]), jnp.float32)
-    return u, delta, A, B, C, D, h0.astype(jnp.float32)
+    """fp32 copies of the inputs (h0 is always an array: selective_scan_pallas fills in zeros)."""
+    return tuple(t.astype(jnp.float32) for t in (u, delta, A, B, C, D, h0))
 
 
 def _scan_forward(u, delta, A, B, C, D, initial_state, config, keep=False):
