@@ -25,11 +25,13 @@ Who uses what:
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import jax
 import jax.numpy as jnp
 
 from latim_jax.kernels import f32
+from latim_jax.kernels.products import bmul
 
 
 @jax.tree_util.register_dataclass
@@ -81,6 +83,17 @@ class SSM:
         """Sequence length l."""
         return self.delta.shape[1]
 
+    def take(self, positions) -> SSM:
+        """This SSM at ``positions`` (p,) only: Delta, B, C and S gathered to length p, A and D kept
+        (what a tile's branch of a ``lax.cond`` reads instead of the whole layer: see
+        :func:`m1_far_or_near`)."""
+
+        def at(x):
+            return x[:, positions]
+
+        decay = Decay(at(self.decay.hi), at(self.decay.lo))
+        return SSM(self.version, self.A, self.D, at(self.delta), at(self.B), at(self.C), decay)
+
     @property
     def heads(self) -> int:
         """c: the maps' channel count, e (Mamba-1) or h (Mamba-2)."""
@@ -101,15 +114,17 @@ def m2_entry(cb, A, seg, dt, causal):
     return cb * jnp.exp(jnp.where(causal, A * seg, -jnp.inf)) * dt
 
 
-def m1_entry(cb_terms, A_terms, seg, dt, causal):
+def m1_entry(cb_terms, A_terms, seg, dt, causal, mul=operator.mul):
     """Mamba-1 M without D: (sum_n cb_n exp(A_n seg)) * dt where ``causal``, exactly 0 elsewhere (dt
     finite). ``cb_terms`` / ``A_terms``: the n values of C_i[n] B_t[n] and of A[:, n], each broadcastable
     against seg; the n-sum is n fused passes over the seg block (no (.., e, n) tensor). dt multiplies
     after the select, not inside it: inside, XLA:CPU fused the tile less well into what consumes it
-    (one 130m Mamba-1 layer's logit scores at L = 512: ~10% slower)."""
+    (one 130m Mamba-1 layer's logit scores at L = 512: ~10% slower). ``mul``: the broadcast product
+    (the XLA path passes :func:`~latim_jax.kernels.products.bmul`, whose transposes are contractions;
+    the kernels' tile bodies keep the plain one)."""
     seg = jnp.where(causal, seg, 0.0)
-    s = sum(cb * jnp.exp(a * seg) for cb, a in zip(cb_terms, A_terms, strict=True))
-    return jnp.where(causal, s, 0.0) * dt
+    s = sum(mul(cb, jnp.exp(a * seg)) for cb, a in zip(cb_terms, A_terms, strict=True))
+    return mul(jnp.where(causal, s, 0.0), dt)
 
 
 def with_skip(M, diag, D):
@@ -140,33 +155,77 @@ def is_far(rows, cols):
     return jnp.max(cols) < jnp.min(rows)
 
 
-def decay_tile(ssm: SSM, rows, cols, *, with_D=True, direct=False, factors=None, direct_rows=32):
+def decay_tile(ssm: SSM, rows, cols, *, with_D=True, direct=False, direct_rows=32):
     """M_{i,t} for i in ``rows``, t in ``cols`` (index arrays; cols may run past the end: zero there):
     (b, r, q, c).
 
-    Mamba-1: a far tile (:func:`is_far`) is the per-channel product of its factors (``factors``: the
-    (P, Q) of :func:`far_factors` when the caller has them, formed outside the cond: inside, XLA fuses
-    their exponentials into the product); other tiles take the direct form, r q e n exponentials in
-    passes of ``direct_rows`` target rows, rematerialised under differentiation (they are n times the
-    tile's size). ``direct``: the direct form on every tile, without P and Q (for a few rows, where the
-    factored product's operand costs more than the exponentials).
+    Mamba-1: a far tile (:func:`is_far`) is the per-channel product of its factors, other tiles take
+    the direct form (:func:`m1_far_or_near`). ``direct``: the direct form on every tile, without P and
+    Q (for a few rows, where the factored product's operand costs more than the exponentials).
     """
     length = ssm.length
-    causal = causal_mask(rows, cols, length)  # (r, q)
     safe = jnp.minimum(cols, length - 1)
-    dt = ssm.delta[:, safe].astype(f32)[:, None]  # (b, 1, q, c)
     if ssm.version == 1:
-        direct_form = jax.checkpoint(lambda *_: _m1_direct(ssm, rows, safe, causal, dt, direct_rows))
         if direct:
-            M = direct_form()
-        else:
-            P, Q = far_factors(ssm, rows, safe) if factors is None else factors
-            M = jax.lax.cond(is_far(rows, cols), far_tile, direct_form, P, Q)
-    else:
-        heads, g = ssm.heads, ssm.C.shape[2]
-        cb = jnp.einsum("brgn,bqgn->brqg", ssm.C[:, rows].astype(f32), ssm.B[:, safe].astype(f32))
-        cb = jnp.repeat(cb, heads // g, axis=-1)  # (b, r, q, h): head h reads group h // (h/g)
-        M = m2_entry(cb, ssm.A, segment_sum(ssm.decay, rows, safe), dt, causal[None, :, :, None])
+            return m1_direct_tile(ssm, rows, safe, rows, cols, length, with_D, direct_rows)
+        return m1_far_or_near(ssm, rows, cols, far_tile, lambda M: M, with_D=with_D, direct_rows=direct_rows)
+    causal = causal_mask(rows, cols, length)  # (r, q)
+    dt = ssm.delta[:, safe].astype(f32)[:, None]  # (b, 1, q, h)
+    heads, g = ssm.heads, ssm.C.shape[2]
+    cb = jnp.einsum("brgn,bqgn->brqg", ssm.C[:, rows].astype(f32), ssm.B[:, safe].astype(f32))
+    cb = jnp.repeat(cb, heads // g, axis=-1)  # (b, r, q, h): head h reads group h // (h/g)
+    M = m2_entry(cb, ssm.A, segment_sum(ssm.decay, rows, safe), dt, causal[None, :, :, None])
+    if with_D:
+        diag = (rows[:, None] == cols[None, :])[None, :, :, None]  # (1, r, q, 1)
+        M = with_skip(M, diag, ssm.D.astype(f32))
+    return M
+
+
+def m1_far_or_near(ssm: SSM, rows, cols, far, near, *args, with_D: bool, direct_rows: int = 32):
+    """A Mamba-1 tile, split: ``far(P, Q, *args)`` when it is far (:func:`is_far`; P, Q its
+    :func:`far_factors`), else ``near(M, *args)`` with M the tile's direct form (:func:`m1_direct_tile`,
+    with D when ``with_D``). One ``lax.cond`` whose branches read only tile-sized arrays: P, Q and the
+    SSM at the tile's positions (:meth:`SSM.take`) are gathered before it. (The transpose of a cond
+    returns a cotangent for every array its branches read; had the near branch read the layer's
+    (b, l, e) Delta and S, every far tile's backward would have added a full-size zero array: a term
+    growing as L^3. P and Q are outside the cond also for the forward: inside, XLA fuses their
+    exponentials into the product.)"""
+    length = ssm.length
+    safe = jnp.minimum(cols, length - 1)
+    P, Q = far_factors(ssm, rows, safe)
+    local = ssm.take(jnp.concatenate([rows, safe]))  # rows first, then the columns
+    ir, ic = jnp.arange(rows.shape[0]), rows.shape[0] + jnp.arange(cols.shape[0])
+
+    def far_branch(P, Q, local, *args):
+        return far(P, Q, *args)
+
+    def near_branch(P, Q, local, *args):
+        # M out of a second cond on the same predicate (false here) is written out once: fused into
+        # the taps' transposing consumer, XLA:CPU ran its exponentials in the consumer's strided
+        # order (the near tiles ~3x slower; optimization_barrier does not survive XLA's passes)
+        M = jax.lax.cond(
+            is_far(rows, cols),
+            lambda local: jnp.zeros((*P.shape[:2], Q.shape[1], P.shape[2]), f32),
+            lambda local: m1_direct_tile(local, ir, ic, rows, cols, length, with_D, direct_rows),
+            local,
+        )
+        return near(M, *args)
+
+    return jax.lax.cond(is_far(rows, cols), far_branch, near_branch, P, Q, local, *args)
+
+
+def m1_direct_tile(ssm: SSM, ir, ic, rows, cols, length: int, with_D: bool, direct_rows: int):
+    """The Mamba-1 direct form of M (b, r, q, e) for target positions ``rows`` (r,) and source positions
+    ``cols`` (q,) of a sequence of ``length``, reading ``ssm``'s arrays at indices ``ir`` (the rows) and
+    ``ic`` (the columns, clamped into the sequence): the positions themselves for the layer's SSM, or
+    ``arange`` offsets into an SSM taken at the tile's positions (:meth:`SSM.take`). Its r q e n
+    exponentials run in passes of ``direct_rows`` rows, rematerialised under differentiation (they are
+    n times the tile's size)."""
+    causal = causal_mask(rows, cols, length)  # (r, q)
+    dt = ssm.delta[:, ic].astype(f32)[:, None]  # (b, 1, q, e)
+    M = jax.checkpoint(lambda ssm, causal, dt: _m1_direct(ssm, ir, ic, causal, dt, direct_rows))(
+        ssm, causal, dt
+    )
     if with_D:
         diag = (rows[:, None] == cols[None, :])[None, :, :, None]  # (1, r, q, 1)
         M = with_skip(M, diag, ssm.D.astype(f32))
@@ -180,7 +239,7 @@ def _m1_direct(ssm: SSM, rows, cols, causal, dt, direct_rows: int):
     r = rows.shape[0]
 
     def one(rows, causal):
-        cb = ssm.C[:, rows][:, :, None, :] * ssm.B[:, cols][:, None, :, :]  # (b, r, q, n)
+        cb = bmul(ssm.C[:, rows][:, :, None, :], ssm.B[:, cols][:, None, :, :])  # (b, r, q, n)
         n = ssm.A.shape[1]
         return m1_entry(
             [cb[..., k, None] for k in range(n)],
@@ -188,6 +247,7 @@ def _m1_direct(ssm: SSM, rows, cols, causal, dt, direct_rows: int):
             segment_sum(ssm.decay, rows, cols),
             dt,
             causal[None, :, :, None],
+            mul=bmul,
         )
 
     if r <= direct_rows or r % direct_rows:
@@ -214,9 +274,9 @@ def far_factors(ssm: SSM, rows, cols):
     ref = jnp.min(rows)[None]
     to_i = jnp.maximum(segment_sum(ssm.decay, rows, ref)[:, :, 0], 0.0)  # (b, r, e): S_i - S_r
     from_t = jnp.maximum(segment_sum(ssm.decay, ref, cols)[:, 0], 0.0)  # (b, q, e): S_r - S_t
-    P = ssm.C[:, rows].astype(f32)[:, :, None, :] * jnp.exp(A[None, None] * to_i[..., None])
-    B_dt = ssm.B[:, cols].astype(f32)[:, :, None, :] * ssm.delta[:, cols].astype(f32)[..., None]
-    Q = B_dt * jnp.exp(A[None, None] * from_t[..., None])
+    P = bmul(ssm.C[:, rows].astype(f32)[:, :, None], jnp.exp(bmul(A, to_i[..., None])))
+    B_dt = bmul(ssm.B[:, cols].astype(f32)[:, :, None], ssm.delta[:, cols].astype(f32)[..., None])
+    Q = B_dt * jnp.exp(bmul(A, from_t[..., None]))
     return P, Q
 
 
@@ -230,7 +290,7 @@ def far_tapped(P, Q, a):
     """sum_k M_{i,j+k}[e] a_k[j, e] of a far tile, channels first (b, e, r, width), without forming M:
     the taps go onto the small factor Q (q = width + K - 1 columns), then one per-channel product."""
     K, width = a.shape[0], a.shape[2]
-    Qa = sum(Q[:, k : k + width] * a[k][..., None] for k in range(K))  # (b, width, e, n)
+    Qa = sum(bmul(Q[:, k : k + width], a[k][..., None]) for k in range(K))  # (b, width, e, n)
     return jnp.einsum("bren,bjen->berj", P, Qa)  # the batched product's own layout
 
 

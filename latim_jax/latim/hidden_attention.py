@@ -20,7 +20,7 @@ import numpy as np
 
 from latim_jax.kernels import f32
 from latim_jax.kernels.block_sizes import Blocks
-from latim_jax.kernels.decay import SSM, decay_tile, far_factors, far_mean, is_far
+from latim_jax.kernels.decay import SSM, decay_tile, far_mean, m1_far_or_near
 from latim_jax.latim.blocking import blocked, tiles
 
 AGGREGATIONS = ("minmax", "abs", "signed")
@@ -39,14 +39,11 @@ def _m1_mean(ssm: SSM, rows, j0, blocks: Blocks):
     product (:func:`latim_jax.kernels.decay.far_mean`), never the (r, q, e) block; other tiles
     average M."""
     cols = j0 + jnp.arange(blocks.cols)
-    # outside the cond, as in latim_jax.latim.mamba.pair_values; the near tiles reuse them
-    P, Q = far_factors(ssm, rows, jnp.minimum(cols, ssm.length - 1))
 
-    def near(P, Q):
-        M = decay_tile(ssm, rows, cols, with_D=False, factors=(P, Q), direct_rows=blocks.m1_direct_rows)
+    def near(M):
         return jnp.mean(M, axis=-1)
 
-    return jax.lax.cond(is_far(rows, cols), far_mean, near, P, Q)
+    return m1_far_or_near(ssm, rows, cols, far_mean, near, with_D=False, direct_rows=blocks.m1_direct_rows)
 
 
 def hidden_attention_scores(ssm: SSM, rows, mask, blocks: Blocks, aggregation: str):

@@ -26,7 +26,8 @@ import jax.numpy as jnp
 
 from latim_jax.kernels import dispatch, f32
 from latim_jax.kernels.block_sizes import Blocks
-from latim_jax.kernels.decay import SSM, decay_tile, far_factors, far_tapped, is_far
+from latim_jax.kernels.decay import SSM, decay_tile, far_tapped, m1_far_or_near
+from latim_jax.kernels.products import bmul
 from latim_jax.latim.blocking import tiles
 from latim_jax.model.layers import activation, activation_gate, causal_conv, linear
 from latim_jax.parallel.context import XLA, Context
@@ -210,8 +211,7 @@ def pair_values(f: MambaFactors, rows, j0, width: int, blocks: Blocks, *, channe
     if f.ssm.version == 1:
         acc = _m1_tapped(f, rows, cols, a, blocks)  # (b, e, r, width)
         if channels_first:
-            gate = jnp.moveaxis(f.G[:, rows], 2, 1)[..., None]  # (b, e, r, 1)
-            return gate * acc * src_ok
+            return bmul(jnp.moveaxis(f.G[:, rows], 2, 1)[..., None], acc) * src_ok  # G (b, e, r, 1)
         acc = jnp.moveaxis(acc, 1, 3)
     else:
         M = decay_tile(f.ssm, rows, cols)  # (b, r, q, h)
@@ -284,9 +284,4 @@ def _m1_tapped(f: MambaFactors, rows, cols, a, blocks: Blocks):
     direct_rows = blocks.m1_direct_rows
     if rows.shape[0] <= blocks.m1_few_rows:
         return tapped(decay_tile(ssm, rows, cols, direct=True, direct_rows=direct_rows), a)
-    P, Q = far_factors(ssm, rows, jnp.minimum(cols, f.length - 1))
-
-    def near(P, Q, a):
-        return tapped(decay_tile(ssm, rows, cols, factors=(P, Q), direct_rows=direct_rows), a)
-
-    return jax.lax.cond(is_far(rows, cols), far_tapped, near, P, Q, a)  # (b, e, r, width)
+    return m1_far_or_near(ssm, rows, cols, far_tapped, tapped, a, with_D=True, direct_rows=direct_rows)

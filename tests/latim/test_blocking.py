@@ -160,3 +160,69 @@ def test_tap_products_differentiate_as_the_plain_broadcast_products():
         ]
         for hf, hp in zip(*hvp, strict=True):
             np.testing.assert_allclose(hf, hp, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("x_shape", "y_shape"),
+    [((2, 5, 1, 4), (2, 1, 3, 4)), ((4,), (2, 3, 4)), ((2, 3, 1), (1, 3, 5)), ((2, 1, 1, 3), (2, 4, 6, 3))],
+)
+def test_bmul_differentiates_as_the_plain_product_through_contractions(x_shape, y_shape):
+    """bmul (kernels/products.py) is x * y with einsum tangents: values, jvp, vjp and Hessian-vector
+    products equal jax's differentiation of the plain product, and its gradient with respect to the
+    broadcast operand is a dot_general, not a reduce_sum (what XLA:CPU runs ~9x faster)."""
+    from latim_jax.kernels.products import bmul
+
+    k = jax.random.split(jax.random.key(2), 6)
+    x, y = jax.random.normal(k[0], x_shape), jax.random.normal(k[1], y_shape)
+    np.testing.assert_array_equal(bmul(x, y), x * y)
+    t = (jax.random.normal(k[2], x_shape), jax.random.normal(k[3], y_shape))
+    np.testing.assert_allclose(jax.jvp(bmul, (x, y), t)[1], jax.jvp(jnp.multiply, (x, y), t)[1], rtol=1e-6)
+    w = jax.random.normal(k[4], (x * y).shape)
+
+    def loss(f):
+        return lambda x, y: jnp.sum(w * jnp.sin(f(x, y)))
+
+    for gf, gp in zip(
+        jax.grad(loss(bmul), (0, 1))(x, y), jax.grad(loss(jnp.multiply), (0, 1))(x, y), strict=True
+    ):
+        np.testing.assert_allclose(gf, gp, rtol=1e-5, atol=1e-6)
+    hvp = [jax.jvp(jax.grad(loss(f), (0, 1)), (x, y), t)[1] for f in (bmul, jnp.multiply)]
+    for hf, hp in zip(*hvp, strict=True):
+        np.testing.assert_allclose(hf, hp, rtol=1e-4, atol=1e-5)
+    jaxprs = [
+        str(jax.make_jaxpr(jax.grad(lambda x, f=f: jnp.sum(w * f(x, y))))(x)) for f in (bmul, jnp.multiply)
+    ]
+    assert "dot_general" in jaxprs[0] and "dot_general" not in jaxprs[1]
+    assert jaxprs[0].count("reduce_sum") < jaxprs[1].count("reduce_sum")  # the loss's own sum stays
+
+
+def _conds(jaxpr, out):
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "cond":
+            out.append(eqn)
+        for p in eqn.params.values():
+            for j in p if isinstance(p, tuple | list) else (p,):
+                inner = getattr(j, "jaxpr", j)
+                if hasattr(inner, "eqns"):
+                    _conds(inner, out)
+    return out
+
+
+@pytest.mark.parametrize("method", ["l2", "hidden_attention"])
+def test_mamba1_far_near_split_reads_tile_sized_arrays(method):
+    """The Mamba-1 far/near cond (kernels/decay.py m1_far_or_near) takes tile-sized operands only: had
+    a branch read the layer's (b, l, e) Delta, B, C or S, the cond's transpose would add a full-size
+    zero cotangent per tile (a gradient growing as L^3). No operand of any cond in the gradient's
+    program has the sequence length L = 13 (tiles are 8 x 3, above m1_few_rows; e 32, n 4, d 16)."""
+    model, h, mask = _model("m1")
+    kw = {"aggregation": "abs"} if method == "hidden_attention" else {}
+
+    def loss(h):
+        f = layer_factors(model, h, 0, "exact", mask=mask, impl="xla")
+        return jnp.sum(layer_scores(f, method, np.arange(L), mask=mask, blocks=Blocks(rows=8, cols=3), **kw))
+
+    conds = _conds(jax.make_jaxpr(jax.grad(loss))(h).jaxpr, [])
+    assert conds, "the far/near split is a cond"
+    for eqn in conds:
+        shapes = [v.aval.shape for v in eqn.invars]
+        assert not any(L in s for s in shapes), shapes
