@@ -19,7 +19,8 @@ Who uses what:
 - Mamba-1 tiles whose every source precedes every target (:func:`is_far`) factor the decay through the
   tile's first target (:func:`far_factors`), so that a per-channel (r x n)(n x q) product replaces the
   r q e n exponentials: :func:`far_tile` (M itself), :func:`far_tapped` (M applied to the conv taps,
-  never forming M) and :func:`far_mean` (M's mean over channels).
+  never forming M) and :func:`far_mean` (M's mean over channels); :func:`m1_far_or_near` is the one
+  split between them and the direct form (a ``lax.cond`` over tile-sized operands), for all three.
 """
 
 from __future__ import annotations
