@@ -79,22 +79,22 @@ def test_static_token_sum_equals_scan_total(name):
     assert rel(got, f.token_total) < 1e-5
 
 
+def _equations(jaxpr):
+    """Every equation of a jaxpr, those of nested jaxprs (scan bodies, cond branches, ...) included."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for p in eqn.params.values():
+            for j in p if isinstance(p, tuple | list) else (p,):
+                inner = getattr(j, "jaxpr", j)  # a ClosedJaxpr or a Jaxpr
+                if hasattr(inner, "eqns"):
+                    yield from _equations(inner)
+
+
 def _scan_lengths(fn, *args):
     """The lengths of the scans in fn's jaxpr, nested ones included."""
-    out = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "scan":
-                out.append(eqn.params["length"])
-            for p in eqn.params.values():
-                for j in p if isinstance(p, tuple | list) else (p,):
-                    inner = getattr(j, "jaxpr", j)  # a ClosedJaxpr or a Jaxpr
-                    if hasattr(inner, "eqns"):
-                        walk(inner)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return out
+    return [
+        e.params["length"] for e in _equations(jax.make_jaxpr(fn)(*args).jaxpr) if e.primitive.name == "scan"
+    ]
 
 
 def test_static_schedule_visits_only_causal_tiles_without_a_branch():
@@ -196,18 +196,6 @@ def test_bmul_differentiates_as_the_plain_product_through_contractions(x_shape, 
     assert jaxprs[0].count("reduce_sum") < jaxprs[1].count("reduce_sum")  # the loss's own sum stays
 
 
-def _conds(jaxpr, out):
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "cond":
-            out.append(eqn)
-        for p in eqn.params.values():
-            for j in p if isinstance(p, tuple | list) else (p,):
-                inner = getattr(j, "jaxpr", j)
-                if hasattr(inner, "eqns"):
-                    _conds(inner, out)
-    return out
-
-
 @pytest.mark.parametrize("method", ["l2", "hidden_attention"])
 def test_mamba1_far_near_split_reads_tile_sized_arrays(method):
     """The Mamba-1 far/near cond (kernels/decay.py m1_far_or_near) takes tile-sized operands only: had
@@ -221,7 +209,7 @@ def test_mamba1_far_near_split_reads_tile_sized_arrays(method):
         f = layer_factors(model, h, 0, "exact", mask=mask, impl="xla")
         return jnp.sum(layer_scores(f, method, np.arange(L), mask=mask, blocks=Blocks(rows=8, cols=3), **kw))
 
-    conds = _conds(jax.make_jaxpr(jax.grad(loss))(h).jaxpr, [])
+    conds = [e for e in _equations(jax.make_jaxpr(jax.grad(loss))(h).jaxpr) if e.primitive.name == "cond"]
     assert conds, "the far/near split is a cond"
     for eqn in conds:
         shapes = [v.aval.shape for v in eqn.invars]
