@@ -20,7 +20,9 @@ Who uses what:
   tile's first target (:func:`far_factors`), so that a per-channel (r x n)(n x q) product replaces the
   r q e n exponentials: :func:`far_tile` (M itself), :func:`far_tapped` (M applied to the conv taps,
   never forming M) and :func:`far_mean` (M's mean over channels); :func:`m1_far_or_near` is the one
-  split between them and the direct form (a ``lax.cond`` over tile-sized operands), for all three.
+  split between them and the direct form (a ``lax.cond`` over tile-sized operands), for all three;
+- Mamba-2 tiles are built inside :func:`m2_far_or_near`, the same kind of cond (far tiles skip the
+  mask), with whatever consumes M (the score path's conv taps) inside it.
 """
 
 from __future__ import annotations
@@ -161,7 +163,8 @@ def decay_tile(ssm: SSM, rows, cols, *, with_D=True, direct=False, direct_rows=3
     (b, r, q, c).
 
     Mamba-1: a far tile (:func:`is_far`) is the per-channel product of its factors, other tiles take
-    the direct form (:func:`m1_far_or_near`). ``direct``: the direct form on every tile, without P and
+    the direct form (:func:`m1_far_or_near`). Mamba-2: the direct form, far and near tiles split by
+    :func:`m2_far_or_near`. ``direct``: the direct form on every tile, without P and
     Q (for a few rows, where the factored product's operand costs more than the exponentials).
     """
     length = ssm.length
@@ -170,12 +173,48 @@ def decay_tile(ssm: SSM, rows, cols, *, with_D=True, direct=False, direct_rows=3
         if direct:
             return m1_direct_tile(ssm, rows, safe, rows, cols, length, with_D, direct_rows)
         return m1_far_or_near(ssm, rows, cols, far_tile, lambda M: M, with_D=with_D, direct_rows=direct_rows)
-    causal = causal_mask(rows, cols, length)  # (r, q)
-    dt = ssm.delta[:, safe].astype(f32)[:, None]  # (b, 1, q, h)
+    return m2_far_or_near(ssm, rows, cols, lambda M: M, with_D=with_D)
+
+
+def m2_far_or_near(ssm: SSM, rows, cols, apply, *args, with_D: bool):
+    """``apply(M, *args)`` for the Mamba-2 tile M of target positions ``rows`` and source positions
+    ``cols`` (with D when ``with_D``), inside one ``lax.cond`` on :func:`is_far` whose branches read only
+    tile-sized arrays (the SSM at the tile's positions, :meth:`SSM.take`, and ``args``): a far tile
+    skips the causal mask and the diagonal (it has neither), a near one applies both.
+
+    The cond is also where M and ``apply``'s result are written out: without it XLA:CPU fused M's
+    gathers, masks and exponentials, and the taps' sum, into every consumer of the (r, q, e) block in
+    the backward (the gate's and the taps' transposes), recomputing them per channel and per pass (one
+    d_model 128 layer's l2 gradient at L = 1024: 2.4 -> 0.96 s; optimization_barrier does not survive
+    XLA:CPU's passes). Reading tile-sized operands keeps the cond's transpose from returning a
+    full-size zero cotangent per tile (an L^3 term; see :func:`m1_far_or_near`)."""
+    length = ssm.length
+    safe = jnp.minimum(cols, length - 1)
+    local = ssm.take(jnp.concatenate([rows, safe]))  # rows first, then the columns
+    ir, ic = jnp.arange(rows.shape[0]), rows.shape[0] + jnp.arange(cols.shape[0])
+
+    def far_branch(local, *args):
+        return apply(m2_direct_tile(local, ir, ic, rows, cols, length, with_D=False, far=True), *args)
+
+    def near_branch(local, *args):
+        return apply(m2_direct_tile(local, ir, ic, rows, cols, length, with_D=with_D), *args)
+
+    return jax.lax.cond(is_far(rows, cols), far_branch, near_branch, local, *args)
+
+
+def m2_direct_tile(ssm: SSM, ir, ic, rows, cols, length: int, *, with_D: bool, far: bool = False):
+    """The Mamba-2 M (b, r, q, h) for target positions ``rows`` (r,) and source positions ``cols`` (q,)
+    of a sequence of ``length``, reading ``ssm``'s arrays at indices ``ir`` and ``ic`` (as
+    :func:`m1_direct_tile`). ``far``: the tile is far (:func:`is_far`), so no mask and no D are applied."""
+    dt = ssm.delta[:, ic].astype(f32)[:, None]  # (b, 1, q, h)
     heads, g = ssm.heads, ssm.C.shape[2]
-    cb = jnp.einsum("brgn,bqgn->brqg", ssm.C[:, rows].astype(f32), ssm.B[:, safe].astype(f32))
+    cb = jnp.einsum("brgn,bqgn->brqg", ssm.C[:, ir].astype(f32), ssm.B[:, ic].astype(f32))
     cb = jnp.repeat(cb, heads // g, axis=-1)  # (b, r, q, h): head h reads group h // (h/g)
-    M = m2_entry(cb, ssm.A, segment_sum(ssm.decay, rows, safe), dt, causal[None, :, :, None])
+    seg = segment_sum(ssm.decay, ir, ic)
+    if far:  # every pair causal (seg >= 0, no overflow), no diagonal
+        return cb * jnp.exp(ssm.A * seg) * dt
+    causal = causal_mask(rows, cols, length)  # (r, q)
+    M = m2_entry(cb, ssm.A, seg, dt, causal[None, :, :, None])
     if with_D:
         diag = (rows[:, None] == cols[None, :])[None, :, :, None]  # (1, r, q, 1)
         M = with_skip(M, diag, ssm.D.astype(f32))

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from latim_jax.kernels import dispatch, f32
 from latim_jax.kernels.block_sizes import Blocks
-from latim_jax.kernels.decay import SSM, decay_tile, far_tapped, m1_far_or_near
+from latim_jax.kernels.decay import SSM, decay_tile, far_tapped, m1_far_or_near, m2_far_or_near
 from latim_jax.kernels.products import bmul
 from latim_jax.latim.blocking import tiles
 from latim_jax.model.layers import activation, activation_gate, causal_conv, linear
@@ -214,9 +214,8 @@ def pair_values(f: MambaFactors, rows, j0, width: int, blocks: Blocks, *, channe
             return bmul(jnp.moveaxis(f.G[:, rows], 2, 1)[..., None], acc) * src_ok  # G (b, e, r, 1)
         acc = jnp.moveaxis(acc, 1, 3)
     else:
-        M = decay_tile(f.ssm, rows, cols)  # (b, r, q, h)
-        h = f.ssm.heads
-        acc = tap_sum(M, a.reshape(K, b, width, h, e // h))  # (b, r, width, h, p)
+        h = f.ssm.heads  # the taps inside the tile's cond: M and the sum are written out there
+        acc = m2_far_or_near(f.ssm, rows, cols, tap_sum, a.reshape(K, b, width, h, e // h), with_D=True)
         acc = acc.reshape(*acc.shape[:3], e)
     return gated(f.G[:, rows], acc) * src_ok[None, None, :, None]
 

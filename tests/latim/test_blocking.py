@@ -197,20 +197,63 @@ def test_bmul_differentiates_as_the_plain_product_through_contractions(x_shape, 
 
 
 @pytest.mark.parametrize("method", ["l2", "hidden_attention"])
-def test_mamba1_far_near_split_reads_tile_sized_arrays(method):
-    """The Mamba-1 far/near cond (kernels/decay.py m1_far_or_near) takes tile-sized operands only: had
-    a branch read the layer's (b, l, e) Delta, B, C or S, the cond's transpose would add a full-size
+@pytest.mark.parametrize("name", ["m1", "m2"])
+def test_far_near_split_reads_tile_sized_arrays(name, method):
+    """The far/near conds (kernels/decay.py m1_far_or_near, m2_far_or_near) take tile-sized operands only:
+    had a branch read the layer's (b, l, e) Delta, B, C or S, the cond's transpose would add a full-size
     zero cotangent per tile (a gradient growing as L^3). No operand of any cond in the gradient's
-    program has the sequence length L = 13 (tiles are 8 x 3, above m1_few_rows; e 32, n 4, d 16)."""
-    model, h, mask = _model("m1")
+    program has the sequence length L = 13 (tiles are 8 x 4, above m1_few_rows, so a branch's 8 rows and
+    4 + K - 1 columns are not 13 either; e 32, n 4, d 16)."""
+    model, h, mask = _model(name)
     kw = {"aggregation": "abs"} if method == "hidden_attention" else {}
 
     def loss(h):
         f = layer_factors(model, h, 0, "exact", mask=mask, impl="xla")
-        return jnp.sum(layer_scores(f, method, np.arange(L), mask=mask, blocks=Blocks(rows=8, cols=3), **kw))
+        return jnp.sum(layer_scores(f, method, np.arange(L), mask=mask, blocks=Blocks(rows=8, cols=4), **kw))
 
     conds = [e for e in _equations(jax.make_jaxpr(jax.grad(loss))(h).jaxpr) if e.primitive.name == "cond"]
     assert conds, "the far/near split is a cond"
     for eqn in conds:
         shapes = [v.aval.shape for v in eqn.invars]
         assert not any(L in s for s in shapes), shapes
+
+
+def _decay_by_definition(ssm):
+    """M (b, l, l, c) in float64 numpy, straight from the definition (kernels/decay.py's docstring):
+    sum_n C_i[n] B_t[n] Delta_t exp(A (S_i - S_t)) per channel (Mamba-1) or per head over its group
+    (Mamba-2), D on the diagonal, 0 above it; S a float64 cumulative sum."""
+    delta, B, C, A, D = (np.asarray(x, np.float64) for x in (ssm.delta, ssm.B, ssm.C, ssm.A, ssm.D))
+    S = np.cumsum(delta, axis=1)  # (b, l, c)
+    seg = S[:, :, None] - S[:, None, :]  # (b, i, t, c)
+    if ssm.version == 1:  # A (e, n), B / C (b, l, n)
+        M = np.einsum("bin,btn,btc,bitcn->bitc", C, B, delta, np.exp(A * seg[..., None]))
+    else:  # A (h,), B / C (b, l, g, n): head h reads group h // (h / g)
+        group = np.arange(A.shape[0]) // (A.shape[0] // B.shape[2])
+        cb = np.einsum("bign,btgn->bitg", C, B)[..., group]
+        M = cb * delta[:, None] * np.exp(A * seg)
+    length = delta.shape[1]
+    M = np.where(np.tril(np.ones((length, length), bool))[None, :, :, None], M, 0.0)
+    return M + np.eye(length)[None, :, :, None] * D
+
+
+@pytest.mark.parametrize("name", ["m1", "m2"])
+def test_decay_tiles_equal_the_definition(name):
+    """decay_tile on far tiles (every source before every target: Mamba-1's factored product, Mamba-2's
+    unmasked branch), near tiles (the diagonal) and tiles running past the end equals M computed from
+    its definition in float64: each branch of the far/near split is checked, not only their agreement."""
+    from latim_jax.kernels.decay import decay_tile, is_far
+
+    model, h, mask = _model(name)
+    ssm = layer_factors(model, h, 0, "exact", mask=mask, impl="xla").ssm
+    want = _decay_by_definition(ssm)
+    cases = [(range(8, 12), range(0, 3), True), (range(4, 8), range(3, 6), False),
+             (range(9, 13), range(11, 14), False), (range(12, 13), range(6, 9), True)]  # fmt: skip
+    for rows, cols, far in cases:
+        rows, cols = np.array(rows), np.array(cols)
+        assert bool(is_far(rows, cols)) == far
+        got = np.asarray(decay_tile(ssm, jnp.asarray(rows), jnp.asarray(cols)))
+        ok = cols < L
+        expect = np.zeros(got.shape)
+        expect[:, :, ok] = want[:, rows][:, :, cols[ok]]
+        assert np.abs(expect).max() > 0
+        np.testing.assert_allclose(got, expect, rtol=2e-5, atol=1e-6 * np.abs(want).max())
