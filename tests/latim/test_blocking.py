@@ -196,6 +196,49 @@ def test_bmul_differentiates_as_the_plain_product_through_contractions(x_shape, 
     assert jaxprs[0].count("reduce_sum") < jaxprs[1].count("reduce_sum")  # the loss's own sum stays
 
 
+@pytest.mark.parametrize("n", [8, 6])  # two groups of 4 states; 6: not a multiple of the group, one pass
+def test_direct_form_state_sum_differentiates_as_the_plain_sum(n):
+    """m1_state_sum (kernels/decay.py: the Mamba-1 direct form's n-sum, whose tangent runs in
+    rematerialised groups of states) has the values, jvp, vjp and Hessian-vector products of the plain
+    sum over n of C_i B_t[n] exp(A[:, n] seg), masked and times Delta, differentiated by jax; and its
+    backward holds one group's exponential blocks: the gradient's jaxpr has a scan over n / 4 groups."""
+    from latim_jax.kernels.decay import STATE_GROUP, m1_state_sum
+
+    k = jax.random.split(jax.random.key(3), 8)
+    b, r, q, e = 2, 3, 5, 6
+    cb = jax.random.normal(k[0], (b, r, q, n))
+    A = -jnp.exp(jax.random.normal(k[1], (e, n)))
+    seg = jnp.abs(jax.random.normal(k[2], (b, r, q, e)))
+    dt = jax.nn.softplus(jax.random.normal(k[3], (b, 1, q, e)))
+    causal = (jnp.arange(q)[None, :] <= jnp.arange(r)[:, None] + 1)[None, :, :, None]
+
+    def plain(cb, A, seg, dt):
+        s = sum(cb[..., i, None] * jnp.exp(A[:, i] * jnp.where(causal, seg, 0.0)) for i in range(n))
+        return jnp.where(causal, s, 0.0) * dt
+
+    def fast(cb, A, seg, dt):
+        return m1_state_sum(cb, A, seg, dt, causal)
+
+    args = (cb, A, seg, dt)
+    np.testing.assert_allclose(fast(*args), plain(*args), rtol=1e-5, atol=1e-6)
+    t = tuple(jax.random.normal(k[4 + i], x.shape) for i, x in enumerate(args))
+    np.testing.assert_allclose(jax.jvp(fast, args, t)[1], jax.jvp(plain, args, t)[1], rtol=1e-5, atol=1e-5)
+
+    def loss(f):
+        return lambda *x: jnp.sum(jnp.sin(f(*x)))
+
+    argnums = (0, 1, 2, 3)
+    grads = [jax.grad(loss(f), argnums)(*args) for f in (fast, plain)]
+    for gf, gp in zip(*grads, strict=True):
+        np.testing.assert_allclose(gf, gp, rtol=1e-5, atol=1e-5)
+    hvp = [jax.jvp(jax.grad(loss(f), argnums), args, t)[1] for f in (fast, plain)]
+    for hf, hp in zip(*hvp, strict=True):
+        np.testing.assert_allclose(hf, hp, rtol=1e-4, atol=1e-4)
+    groups = n // STATE_GROUP if n % STATE_GROUP == 0 else 1
+    lengths = _scan_lengths(jax.grad(loss(fast), argnums), *args)
+    assert groups in lengths, lengths
+
+
 @pytest.mark.parametrize("method", ["l2", "hidden_attention"])
 @pytest.mark.parametrize("name", ["m1", "m2"])
 def test_far_near_split_reads_tile_sized_arrays(name, method):
