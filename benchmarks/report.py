@@ -47,6 +47,12 @@ python benchmarks/bench_gradients.py --d-model 128 --lengths 1024 2048 4096 \\
     --out benchmarks/results/gradients_d128.json
 python benchmarks/bench_gradients.py --lengths 1024 --repeats 1 \\
     --out benchmarks/results/gradients_130m_1024.json
+python benchmarks/bench_gradients.py --lengths 2048 --repeats 0 \\
+    --out benchmarks/results/gradients_130m_2048.json
+python benchmarks/bench_gradients.py --versions 2 --d-model 128 --lengths 1024 2048 4096 \\
+    --out benchmarks/results/gradients_m2_d128.json
+python benchmarks/bench_gradients.py --versions 2 --lengths 1024 --repeats 1 \\
+    --out benchmarks/results/gradients_m2_130m_1024.json
 # a Nemotron-H-shaped hybrid beside Mamba-2 (last row at 4096, full map at 1024; ~12 min)
 python benchmarks/bench_hybrid.py
 # grad_input before / after the gathered target logits (one process, values compared)
@@ -68,6 +74,9 @@ CURRENT = (
     "hybrid",  # a Nemotron-H-shaped hybrid beside plain Mamba-2 of the same width (issue 25)
     "collectives",  # what a model-parallel run moves per layer, and a 7B pod estimate (issue 26)
     "gradients_130m_1024",  # the gradient against the forward after the static schedule (issue 26)
+    "gradients_m2_d128",  # Mamba-2 after its tile's cond (M and the taps written out once), d 128
+    "gradients_m2_130m_1024",  # the same at the 130m width
+    "gradients_130m_2048",  # both versions at the 130m width, L = 2048
     "gradients_d128",  # the same at a small width, L = 1024 / 2048 / 4096 (issue 26)
     "grad_input",  # grad_input through the gathered target logits against the whole-logits VJP (issue 26)
     "ab_redesign",  # the redesign (issue 24) against the code before it, same workloads, one job
