@@ -168,12 +168,21 @@ def decay_tile(ssm: SSM, rows, cols, *, with_D=True, direct=False, direct_rows=3
     Q (for a few rows, where the factored product's operand costs more than the exponentials).
     """
     length = ssm.length
-    safe = jnp.minimum(cols, length - 1)
     if ssm.version == 1:
         if direct:
+            safe = jnp.minimum(cols, length - 1)
             return m1_direct_tile(ssm, rows, safe, rows, cols, length, with_D, direct_rows)
         return m1_far_or_near(ssm, rows, cols, far_tile, lambda M: M, with_D=with_D, direct_rows=direct_rows)
     return m2_far_or_near(ssm, rows, cols, lambda M: M, with_D=with_D)
+
+
+def tile_local(ssm: SSM, rows, cols):
+    """The SSM at a tile's positions (:meth:`SSM.take`: ``rows``, then ``cols`` clamped into the
+    sequence) and the indices of the rows and of the columns in it: what the branches of a far/near
+    cond read instead of the whole layer."""
+    safe = jnp.minimum(cols, ssm.length - 1)
+    local = ssm.take(jnp.concatenate([rows, safe]))
+    return local, jnp.arange(rows.shape[0]), rows.shape[0] + jnp.arange(cols.shape[0])
 
 
 def m2_far_or_near(ssm: SSM, rows, cols, apply, *args, with_D: bool):
@@ -189,9 +198,7 @@ def m2_far_or_near(ssm: SSM, rows, cols, apply, *args, with_D: bool):
     XLA:CPU's passes). Reading tile-sized operands keeps the cond's transpose from returning a
     full-size zero cotangent per tile (an L^3 term; see :func:`m1_far_or_near`)."""
     length = ssm.length
-    safe = jnp.minimum(cols, length - 1)
-    local = ssm.take(jnp.concatenate([rows, safe]))  # rows first, then the columns
-    ir, ic = jnp.arange(rows.shape[0]), rows.shape[0] + jnp.arange(cols.shape[0])
+    local, ir, ic = tile_local(ssm, rows, cols)
 
     def far_branch(local, *args):
         return apply(m2_direct_tile(local, ir, ic, rows, cols, length, with_D=False, far=True), *args)
@@ -212,7 +219,7 @@ def m2_direct_tile(ssm: SSM, ir, ic, rows, cols, length: int, *, with_D: bool, f
     cb = jnp.repeat(cb, heads // g, axis=-1)  # (b, r, q, h): head h reads group h // (h/g)
     seg = segment_sum(ssm.decay, ir, ic)
     if far:  # every pair causal (seg >= 0, no overflow), no diagonal
-        return cb * jnp.exp(ssm.A * seg) * dt
+        return m2_entry(cb, ssm.A, seg, dt, True)
     causal = causal_mask(rows, cols, length)  # (r, q)
     M = m2_entry(cb, ssm.A, seg, dt, causal[None, :, :, None])
     if with_D:
@@ -233,8 +240,7 @@ def m1_far_or_near(ssm: SSM, rows, cols, far, near, *args, with_D: bool, direct_
     length = ssm.length
     safe = jnp.minimum(cols, length - 1)
     P, Q = far_factors(ssm, rows, safe)
-    local = ssm.take(jnp.concatenate([rows, safe]))  # rows first, then the columns
-    ir, ic = jnp.arange(rows.shape[0]), rows.shape[0] + jnp.arange(cols.shape[0])
+    local, ir, ic = tile_local(ssm, rows, cols)
 
     def far_branch(P, Q, local, *args):
         return far(P, Q, *args)
@@ -296,10 +302,12 @@ def _m1_direct(ssm: SSM, rows, cols, causal, dt, direct_rows: int):
 STATE_GROUP = 4  # states per pass of the direct form's backward (see m1_state_sum)
 
 
-def _state_terms(cb, A):
-    """The n (C_i B_t)[n] and A[:, n] terms of :func:`m1_entry`, cb (b, r, q, n) and A (e, n)."""
+def _state_sum(cb, A, seg, dt, causal):
+    """:func:`m1_entry` over the states of cb (b, r, q, n) and A (e, n) (n = all, or one group)."""
     n = A.shape[1]
-    return [cb[..., k, None] for k in range(n)], [A[:, k] for k in range(n)]
+    return m1_entry(
+        [cb[..., k, None] for k in range(n)], [A[:, k] for k in range(n)], seg, dt, causal, mul=bmul
+    )
 
 
 @jax.custom_jvp
@@ -313,7 +321,7 @@ def m1_state_sum(cb, A, seg, dt, causal):
     341 MiB of temporaries at L = 1024), the scan's holds one group's (4: 263 MiB). The forward keeps
     the one fused pass (a scan there cost the 130m forward ~25%); the gradient recomputes each group's
     exponentials once more."""
-    return m1_entry(*_state_terms(cb, A), seg, dt, causal, mul=bmul)
+    return _state_sum(cb, A, seg, dt, causal)
 
 
 @m1_state_sum.defjvp
@@ -325,16 +333,12 @@ def _m1_state_sum_jvp(primals, tangents):
 
     @jax.checkpoint
     def group(acc, xs):
-        cb_g, A_g, dcb_g, dA_g = xs  # (g, b, r, q), (g, e) and their tangents
-
-        def entry(cb_g, A_g, seg, dt):
-            terms = [cb_g[k][..., None] for k in range(g)], [A_g[k] for k in range(g)]
-            return m1_entry(*terms, seg, dt, causal, mul=bmul)
-
+        cb_g, A_g, dcb_g, dA_g = xs  # (b, r, q, g), (e, g) and their tangents
+        entry = lambda cb_g, A_g, seg, dt: _state_sum(cb_g, A_g, seg, dt, causal)  # noqa: E731
         return acc + jax.jvp(entry, (cb_g, A_g, seg, dt), (dcb_g, dA_g, dseg, ddt))[1], None
 
-    def grouped(x):  # (..., n) -> (n / g, g, ...)
-        return jnp.moveaxis(x, -1, 0).reshape(n // g, g, *x.shape[:-1])
+    def grouped(x):  # (..., n) -> (n / g, ..., g)
+        return jnp.moveaxis(x.reshape(*x.shape[:-1], n // g, g), -2, 0)
 
     zero = jnp.zeros(jnp.broadcast_shapes(seg.shape, dt.shape), f32)
     tangent, _ = jax.lax.scan(group, zero, (grouped(cb), grouped(A), grouped(dcb), grouped(dA)))
