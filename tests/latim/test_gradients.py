@@ -152,3 +152,19 @@ def test_hold_fixed_differentiates_the_linear_decomposition(version):
         assert abs(euler - value) <= TOL["euler"] * abs(value), (method, euler, value)
         true = float(jnp.vdot(jax.grad(pair)(x, False), x))
         assert abs(true - value) > 1e-2 * abs(value), (method, true, value)  # the default differs
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_tiled_gradients_match_finite_differences(version):
+    """The tiles' own differentiation rules on far and near tiles: with 5 x 2 tiles at L = 6 the last row
+    tile has far tiles (Mamba-1's factored product, Mamba-2's unmasked branch of m2_far_or_near) and
+    near ones (Mamba-1's direct form, whose backward runs m1_state_sum's state groups), where the
+    default single tile has only a near one. l2 and hidden attention, exact mode, w.r.t. the embeddings."""
+    m = model(version)
+    x0 = m.embed(jnp.asarray(tokens(seed=4)))
+    blocks = latim_jax.Blocks(rows=5, cols=2)
+    methods = ("l2", "hidden_attention")
+    analytic, numeric, scale = directional(
+        lambda x: method_scores(m, x, "exact", methods, blocks=blocks), x0, seed=3
+    )
+    assert abs(analytic - numeric) <= TOL["fd"] * scale, (analytic, numeric, scale)
