@@ -375,8 +375,20 @@ def far_tapped(P, Q, a):
     """sum_k M_{i,j+k}[e] a_k[j, e] of a far tile, channels first (b, e, r, width), without forming M:
     the taps go onto the small factor Q (q = width + K - 1 columns), then one per-channel product."""
     K, width = a.shape[0], a.shape[2]
-    Qa = sum(bmul(Q[:, k : k + width], a[k][..., None]) for k in range(K))  # (b, width, e, n)
+    # tap k as a product with the whole window Q, sliced after: a linearisation keeps Q (an operand of
+    # the far/near cond) instead of K shifted slices of it as residuals of the cond
+    Qa = sum(
+        bmul(Q, in_window(a[k], k, K)[..., None])[:, k : k + width] for k in range(K)
+    )  # (b, width, e, n)
     return jnp.einsum("bren,bjen->berj", P, Qa)  # the batched product's own layout
+
+
+def in_window(x, k: int, K: int):
+    """x (b, q, ...) placed at offset k of a (b, q + K - 1, ...) window of zeros: tap k's term of a sum
+    sum_k W[:, k : k + q] * x_k, written (W * in_window(x_k))[:, k : k + q], multiplies the whole window
+    W. Linearised, the term then keeps W itself as its residual, once for all K taps, rather than K
+    shifted slices of it (a window M or Q of a score tile: 4 copies written out per tile backward)."""
+    return jnp.pad(x, ((0, 0), (k, K - 1 - k)) + ((0, 0),) * (x.ndim - 2))
 
 
 def far_mean(P, Q):
