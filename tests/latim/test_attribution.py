@@ -502,6 +502,24 @@ def test_compensated_cumsum_keeps_short_segments_accurate_far_along_the_sequence
                 assert np.max(np.abs(naive - want) / scale) > 1e-5
 
 
+def test_compensated_cumsum_tangent_is_the_cumsum_of_the_tangent():
+    """The tangent of S = hi + lo is cumsum(d Delta), all on hi (lo is held fixed, so a score loop's
+    backward keeps one cotangent of S): jvp and vjp against the float64 cumulative sum, lo's tangent
+    exactly zero."""
+    from latim_jax.kernels.decay import compensated_cumsum
+
+    rng = np.random.default_rng(1)
+    delta, t = (jnp.asarray(rng.uniform(0.2, 1.8, (2, 300, 3)).astype(np.float32)) for _ in range(2))
+    _, dec = jax.jvp(compensated_cumsum, (delta,), (t,))
+    want = np.cumsum(np.asarray(t, np.float64), axis=1)
+    assert np.max(np.abs(np.asarray(dec.hi, np.float64) - want) / want) < 1e-6
+    assert not np.any(np.asarray(dec.lo))
+    ct = rng.standard_normal(delta.shape).astype(np.float32)
+    (got,) = jax.vjp(lambda d: compensated_cumsum(d).hi + compensated_cumsum(d).lo, delta)[1](jnp.asarray(ct))
+    want_ct = np.cumsum(ct.astype(np.float64)[:, ::-1], axis=1)[:, ::-1]  # the cumsum's transpose
+    assert np.max(np.abs(np.asarray(got, np.float64) - want_ct) / np.abs(want_ct).max()) < 1e-6
+
+
 def test_mamba1_minmax_row_subset_warns_that_it_costs_the_whole_map(monkeypatch):
     """Mamba-1 minmax hidden attention over a row subset of a long prompt warns (its range needs the
     whole map) and still returns the full map's rows; "signed", every row, a short prompt and Mamba-2
