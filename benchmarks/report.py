@@ -53,6 +53,16 @@ python benchmarks/bench_gradients.py --versions 2 --d-model 128 --lengths 1024 2
     --out benchmarks/results/gradients_m2_d128.json
 python benchmarks/bench_gradients.py --versions 2 --lengths 1024 --repeats 1 \\
     --out benchmarks/results/gradients_m2_130m_1024.json
+python benchmarks/bench_gradients.py --versions 1 --lengths 1024 --repeats 1 \\
+    --out benchmarks/results/gradients_130m_1024_m1.json
+python benchmarks/bench_gradients.py --versions 1 --lengths 2048 --repeats 0 \\
+    --out benchmarks/results/gradients_130m_2048_m1.json
+python benchmarks/bench_gradients.py --versions 1 --d-model 128 --lengths 1024 2048 4096 \\
+    --out benchmarks/results/gradients_d128_m1.json
+python benchmarks/bench_gradients.py --lengths 4096 --repeats 0 \\
+    --out benchmarks/results/gradients_130m_4096.json  # ~30 min
+python benchmarks/bench_gradients.py --lengths 4096 --compile-only \\
+    --out benchmarks/results/gradients_130m_4096_compiled.json
 # a Nemotron-H-shaped hybrid beside Mamba-2 (last row at 4096, full map at 1024; ~12 min)
 python benchmarks/bench_hybrid.py
 # grad_input before / after the gathered target logits (one process, values compared)
@@ -73,6 +83,11 @@ python benchmarks/gpu_check.py
 CURRENT = (
     "hybrid",  # a Nemotron-H-shaped hybrid beside plain Mamba-2 of the same width (issue 25)
     "collectives",  # what a model-parallel run moves per layer, and a 7B pod estimate (issue 26)
+    "gradients_130m_1024_m1",  # Mamba-1 after the tap windows and S's one tangent, 130m, L = 1024
+    "gradients_130m_2048_m1",  # the same at L = 2048
+    "gradients_d128_m1",  # the same at d 128, L = 1024 / 2048 / 4096
+    "gradients_130m_4096",  # both versions at the 130m width, L = 4096
+    "gradients_130m_4096_compiled",  # the same, compiled temporaries only
     "gradients_130m_1024",  # the gradient against the forward after the static schedule (issue 26)
     "gradients_m2_d128",  # Mamba-2 after its tile's cond (M and the taps written out once), d 128
     "gradients_m2_130m_1024",  # the same at the 130m width
