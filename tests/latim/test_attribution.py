@@ -515,7 +515,7 @@ def test_compensated_cumsum_tangent_is_the_cumsum_of_the_tangent():
     assert np.max(np.abs(np.asarray(dec.hi, np.float64) - want) / want) < 1e-6
     assert not np.any(np.asarray(dec.lo))
     ct = rng.standard_normal(delta.shape).astype(np.float32)
-    (got,) = jax.vjp(lambda d: compensated_cumsum(d).hi + compensated_cumsum(d).lo, delta)[1](jnp.asarray(ct))
+    (got,) = jax.vjp(lambda d: (S := compensated_cumsum(d)).hi + S.lo, delta)[1](jnp.asarray(ct))
     want_ct = np.cumsum(ct.astype(np.float64)[:, ::-1], axis=1)[:, ::-1]  # the cumsum's transpose
     assert np.max(np.abs(np.asarray(got, np.float64) - want_ct) / np.abs(want_ct).max()) < 1e-6
 
