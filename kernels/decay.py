@@ -303,7 +303,7 @@ def _m1_direct(ssm: SSM, rows, cols, causal, dt, direct_rows: int):
     return passes.reshape(passes.shape[0], r, *passes.shape[3:])
 
 
-STATE_GROUP = 4  # states per pass of the direct form's backward (see m1_state_sum)
+STATE_GROUP = 2
 
 
 def _state_sum(cb, A, seg, dt, causal):
@@ -322,7 +322,8 @@ def m1_state_sum(cb, A, seg, dt, causal):
     Its tangent takes the states in groups of :data:`STATE_GROUP`, in a scan whose step is
     rematerialised: the transpose of the plain sum held all n exponential blocks exp(A[:, n] seg) of
     the pass at once (16 x (32, 35, e) fp32 for a 130m Mamba-1 near tile, ~105 MiB of its gradient's
-    341 MiB of temporaries at L = 1024), the scan's holds one group's (4: 263 MiB). The forward keeps
+    341 MiB of temporaries at L = 1024), the scan's holds one group's (4: 263 MiB; 2 once the taps'
+    tangent held one window at a time, 230 -> 217 MiB, where 1 gains nothing more). The forward keeps
     the one fused pass (a scan there cost the 130m forward ~25%); the gradient recomputes each group's
     exponentials once more."""
     return _state_sum(cb, A, seg, dt, causal)
