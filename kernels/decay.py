@@ -28,6 +28,7 @@ Who uses what:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 
 import jax
@@ -283,10 +284,29 @@ def m1_direct_tile(ssm: SSM, ir, ic, rows, cols, length: int, with_D: bool, dire
     return M
 
 
+TANGENT_ROWS = 16  # the direct form's rows per pass under differentiation (see _m1_direct)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(5,))
 def _m1_direct(ssm: SSM, rows, cols, causal, dt, direct_rows: int):
     """The Mamba-1 direct form (b, r, q, e), in passes of ``direct_rows`` target rows when r is a larger
     multiple of it (each pass rematerialised: the backward of one pass holds a (pass, q, e, n) block of
-    exponentials, so a 64-row tile costs the backward what a 32-row tile did)."""
+    exponentials, so a 64-row tile costs the backward what a 32-row tile did).
+
+    Differentiated, the passes take at most :data:`TANGENT_ROWS` rows: a 130m Mamba-1 layer's l2
+    gradient at L = 1024 then holds 204 MiB of temporaries instead of 211 at the same speed, where
+    16-row passes in the forward cost it ~4% (its 32-row default stays)."""
+    return _m1_passes(ssm, rows, cols, causal, dt, direct_rows)
+
+
+@_m1_direct.defjvp
+def _m1_direct_jvp(direct_rows, primals, tangents):
+    rows = min(direct_rows, TANGENT_ROWS)
+    return jax.jvp(lambda *args: _m1_passes(*args, rows), primals, tangents)
+
+
+def _m1_passes(ssm: SSM, rows, cols, causal, dt, direct_rows: int):
+    """:func:`_m1_direct`'s value, in passes of ``direct_rows``."""
     r = rows.shape[0]
 
     def one(rows, causal):

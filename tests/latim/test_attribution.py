@@ -474,6 +474,42 @@ def test_mamba1_direct_form_in_row_chunks_equals_one_pass(monkeypatch):
     assert {(8, 4), (12, 4), (6, 4)} <= set(calls)
 
 
+def test_mamba1_direct_form_takes_fewer_rows_per_pass_when_differentiated(monkeypatch):
+    """Differentiated, the direct form runs in passes of at most decay.TANGENT_ROWS rows (4 here) while
+    an undifferentiated call keeps Blocks.m1_direct_rows (12): the scores and the gradient equal those of
+    one 24-row pass, and each path took the pass size it should (a rule that ignored TANGENT_ROWS, or a
+    forward that took it, fails the recorded sizes)."""
+    import latim_jax.kernels.decay as decay
+    from latim_jax.latim.kinds import layer_factors
+    from latim_jax.latim.scores import layer_scores
+
+    model = make("m1", conv_bias=True)
+    t = jnp.asarray(tokens(length=24))
+    h = model.forward(t, impl="xla").residuals[1]
+
+    def scores(h, blocks):
+        g = layer_factors(model, h, 1)
+        return layer_scores(g, "l2", jnp.arange(24), mask=jnp.ones((2, 24), bool), blocks=blocks)
+
+    def loss(h, blocks):
+        return jnp.sum(jnp.sin(scores(h, blocks)))
+
+    one = Blocks(rows=24, cols=24, m1_direct_rows=24)
+    monkeypatch.setattr(decay, "TANGENT_ROWS", 24)
+    want_s, want = scores(h, one), jax.grad(loss)(h, one)
+    monkeypatch.setattr(decay, "TANGENT_ROWS", 4)
+    sizes = []
+    passes = decay._m1_passes
+    monkeypatch.setattr(decay, "_m1_passes", lambda *a: sizes.append(a[5]) or passes(*a))
+    split = Blocks(rows=24, cols=24, m1_direct_rows=12)
+    got_s = scores(h, split)
+    assert set(sizes) == {12} and rel(got_s, want_s) < TOL["fp32"]
+    sizes.clear()
+    got = jax.grad(loss)(h, split)
+    # the tangent's passes ran at 4 rows (the forward pass under a checkpoint may take the primal's 12)
+    assert 4 in sizes and rel(got, want) < 1e-4
+
+
 def test_compensated_cumsum_keeps_short_segments_accurate_far_along_the_sequence():
     """S_i - S_t from the compensated cumulative sum equals float64 to fp32 relative accuracy
     of the segment itself, for short segments thousands of steps in (where S is ~1e3-1e4 times the
