@@ -240,13 +240,20 @@ def _tap_sum_jvp(primals, tangents):
     M, a = primals
     dM, da = tangents
     K, q = a.shape[0], a.shape[2]
-    # each term multiplies the whole window and is sliced after (in_window): linearised, the tangent
-    # keeps M once as its residual, not K shifted (r, q, h) slices of it (130m Mamba-1 l2 gradient at
-    # L = 1024: compiled temporaries 263 -> 256 MiB; 247 with the far tiles' Q treated alike). The K
-    # terms run as a scan, one tap per step: transposed, each term's dot_generals read a transposed copy
-    # of its window of the cotangent, and written as K terms of one sum XLA held all K copies at once
-    # (4 x (32, 35, e) for a 130m Mamba-1 near tile); the scan's step holds one (same layer: 241 ->
-    # 230 MiB, 217 with STATE_GROUP 2; Mamba-2: 369 -> 338 MiB)
+    if a.shape[-1] > 1:  # Mamba-2: M per head, p times smaller than each term; K shifted slices of it
+        terms = [
+            jnp.einsum("brqh,bqhp->brqhp", dM[:, :, k : k + q], a[k])
+            + jnp.einsum("brqh,bqhp->brqhp", M[:, :, k : k + q], da[k])
+            for k in range(K)
+        ]
+        return tap_sum(M, a), sum(terms)
+    # Mamba-1 (p = 1): M is per channel, as large as the terms. Each term multiplies the whole window
+    # and is sliced after (in_window): linearised, the tangent keeps M once as its residual, not K
+    # shifted (r, q, e) slices of it (130m Mamba-1 l2 gradient at L = 1024: compiled temporaries 263 ->
+    # 256 MiB; 247 with the far tiles' Q treated alike). The K terms run as a scan, one tap per step:
+    # transposed, each term's dot_generals read a transposed copy of its window of the cotangent, and
+    # written as K terms of one sum XLA held all K copies at once (4 x (32, 35, e) for a 130m near
+    # tile); the scan's step holds one (same layer: 241 -> 230 MiB, 217 with STATE_GROUP 2).
     wa = jnp.stack([in_window(a[k], k, K) for k in range(K)])
     wda = jnp.stack([in_window(da[k], k, K) for k in range(K)])
 
