@@ -33,7 +33,6 @@ one entry in :data:`KINDS`. docs/architecture.md walks through it.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from latim_jax.kernels import f32
@@ -65,15 +64,7 @@ def factors(
     if build is None:
         raise ValueError(f"no decomposition for layer kind {block.kind!r}; known kinds: {sorted(KINDS)}")
     extra = {"embeddings": embeddings} if block.reads_embeddings else {}
-
-    def built(h, mask, extra):
-        return build(block, h, mask, ctx, mode, hold_fixed=hold_fixed, with_total=with_total, **extra)
-
-    # rematerialised under differentiation, matrix products kept: the backward recomputes the builder's
-    # elementwise work (SiLU, softplus, the conv, the scans) instead of holding its residuals through
-    # the score loop's backward (one 130m Mamba-1 layer's l2 gradient at L = 1024: temporaries 217 ->
-    # 211 MiB). Without differentiation it changes nothing.
-    return jax.checkpoint(built, policy=jax.checkpoint_policies.dots_saveable)(h, mask, extra)
+    return build(block, h, mask, ctx, mode, hold_fixed=hold_fixed, with_total=with_total, **extra)
 
 
 def layer_factors(model, h, layer: int, mode: str = "exact", *, mask=None, impl="auto", embeddings=None):
