@@ -294,7 +294,7 @@ def _m1_direct(ssm: SSM, rows, cols, causal, dt, direct_rows: int):
     exponentials, so a 64-row tile costs the backward what a 32-row tile did).
 
     Differentiated, the passes take at most :data:`TANGENT_ROWS` rows: a 130m Mamba-1 layer's l2
-    gradient at L = 1024 then holds 204 MiB of temporaries instead of 211 at the same speed, where
+    gradient at L = 1024 then holds 211 MiB of temporaries instead of 217 at the same speed, where
     16-row passes in the forward cost it ~4% (its 32-row default stays)."""
     return _m1_passes(ssm, rows, cols, causal, dt, direct_rows)
 
