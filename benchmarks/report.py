@@ -59,6 +59,20 @@ python benchmarks/bench_gradients.py --versions 1 --lengths 2048 --repeats 0 \\
     --out benchmarks/results/gradients_130m_2048_m1.json
 python benchmarks/bench_gradients.py --versions 1 --d-model 128 --lengths 1024 2048 4096 \\
     --out benchmarks/results/gradients_d128_m1.json
+python benchmarks/bench_gradients.py --versions 1 --lengths 1024 --repeats 1 \\
+    --out benchmarks/results/gradients_130m_1024_m1_rows.json
+python benchmarks/bench_gradients.py --versions 2 --lengths 1024 --repeats 1 \\
+    --out benchmarks/results/gradients_m2_130m_1024_rows.json
+python benchmarks/bench_gradients.py --versions 1 --d-model 128 --lengths 1024 2048 4096 \\
+    --out benchmarks/results/gradients_d128_m1_rows.json
+python benchmarks/bench_gradients.py --versions 2 --d-model 128 --lengths 1024 2048 4096 \\
+    --out benchmarks/results/gradients_m2_d128_rows.json
+python benchmarks/bench_gradients.py --versions 1 2 --d-model 128 --lengths 1024 --repeats 10 \\
+    --out benchmarks/results/gradients_d128_1024_rows.json
+python benchmarks/bench_gradients.py --versions 1 --lengths 2048 --repeats 0 \\
+    --out benchmarks/results/gradients_130m_2048_m1_rows.json
+python benchmarks/bench_gradients.py --lengths 4096 --compile-only \\
+    --out benchmarks/results/gradients_130m_4096_compiled_rows.json
 python benchmarks/bench_gradients.py --lengths 4096 --repeats 0 \\
     --out benchmarks/results/gradients_130m_4096.json  # ~30 min
 python benchmarks/bench_gradients.py --lengths 4096 --compile-only \\
@@ -83,6 +97,13 @@ python benchmarks/gpu_check.py
 CURRENT = (
     "hybrid",  # a Nemotron-H-shaped hybrid beside plain Mamba-2 of the same width (issue 25)
     "collectives",  # what a model-parallel run moves per layer, and a 7B pod estimate (issue 26)
+    "gradients_130m_1024_m1_rows",  # Mamba-1 after the taps' scan and 16-row tangent passes, 130m, 1024
+    "gradients_130m_2048_m1_rows",  # the same at L = 2048
+    "gradients_m2_130m_1024_rows",  # Mamba-2 with its sliced taps restored, 130m, L = 1024
+    "gradients_d128_m1_rows",  # Mamba-1 at d 128, L = 1024 / 2048 / 4096
+    "gradients_m2_d128_rows",  # Mamba-2 at d 128
+    "gradients_d128_1024_rows",  # both at d 128, L = 1024, medians of 10 calls
+    "gradients_130m_4096_compiled_rows",  # both at the 130m width, L = 4096, compiled temporaries
     "gradients_130m_1024_m1",  # Mamba-1 after the tap windows and S's one tangent, 130m, L = 1024
     "gradients_130m_2048_m1",  # the same at L = 2048
     "gradients_d128_m1",  # the same at d 128, L = 1024 / 2048 / 4096
