@@ -323,7 +323,7 @@ def _m1_passes(ssm: SSM, rows, cols, causal, dt, direct_rows: int):
     return passes.reshape(passes.shape[0], r, *passes.shape[3:])
 
 
-STATE_GROUP = 2
+STATE_GROUP = 2  # states per pass of the direct form's backward (see m1_state_sum)
 
 
 def _state_sum(cb, A, seg, dt, causal):
