@@ -16,6 +16,9 @@ kernels/fused_scores.py):
 - ``m1_direct_rows``: target rows per pass of the XLA path's Mamba-1 direct form (bounds its backward's
   temporaries); ``m1_few_rows``: a row tile of at most this many rows takes the direct form on every
   tile (a few rows: cheaper than transposing the far tiles' factored operand).
+- ``tangent_rows``: target rows per score tile of the XLA path under differentiation (forward and
+  reverse mode; None or >= ``rows``: the same tiles as the value). A gradient's backward holds a few
+  copies of one tile's (r, q, e) values, so smaller rows there bound it without slowing the forward.
 The scan kernels (kernels/selective_scan.py, kernels/ssd.py):
 - ``scan_block_l`` (Mamba-1): the chunk whose entering state the forward saves for the backward (which
   recomputes the chunk's states from it). TPU: time steps per grid step; a lane dimension of the
@@ -40,7 +43,7 @@ from jax.experimental.pallas import triton as pltriton
 
 PLATFORMS = ("tpu", "gpu", "cpu")
 _FIELDS = (
-    "rows", "cols", "d", "e", "m1_direct_rows", "m1_few_rows", "scan_block_l", "scan_block_e",
+    "rows", "cols", "d", "e", "m1_direct_rows", "m1_few_rows", "tangent_rows", "scan_block_l", "scan_block_e",
     "ssd_chunk", "ssd_block_p", "num_warps_scan", "num_warps_ssd", "num_warps_scores", "vmem_limit_bytes",
 )  # fmt: skip
 
@@ -55,6 +58,7 @@ class Blocks:
     e: int | None = None
     m1_direct_rows: int | None = None
     m1_few_rows: int | None = None
+    tangent_rows: int | None = None
     scan_block_l: int | None = None
     scan_block_e: int | None = None
     ssd_chunk: int | None = None
@@ -104,15 +108,19 @@ class Blocks:
         (``n_rows`` below the square tile's side) the row tile shrinks to them and the column tile grows
         to keep the tile's size: ``rows=[-1]`` does not pay for a whole row tile. Mamba-1 row tiles of at
         most ``m1_few_rows`` = 4 rows take the direct form on every tile (1.58 -> 0.21 s for rows=[-1]
-        of one 130m layer at L = 4096; with 8 rows the factored form is faster, 0.64 against 1.01 s)."""
+        of one 130m layer at L = 4096; with 8 rows the factored form is faster, 0.64 against 1.01 s).
+        Differentiated, Mamba-2's tiles take ``tangent_rows`` = 16 rows (one 130m layer's l2 gradient at
+        L = 1024: compiled temporaries 332 -> 260 MiB, 21 -> 19 s; d 128: within noise). Mamba-1 keeps
+        its tiles (16 rows: 206 -> 182 MiB and 34 -> 31 s at 130m, but ~15% slower at d 128); pass
+        ``Blocks(tangent_rows=16)`` for the memory."""
         size = 64 if version == 2 else 32
         cap = max(8, 1 << (max(length, 1) - 1).bit_length())
         size = min(size, cap)
-        m1 = dict(m1_direct_rows=32, m1_few_rows=4)
+        fixed = dict(m1_direct_rows=32, m1_few_rows=4, tangent_rows=16 if version == 2 else None)
         if n_rows is None or n_rows >= size:
-            return cls(rows=size, cols=size, **m1)
+            return cls(rows=size, cols=size, **fixed)
         rows = 1 << (max(n_rows, 1) - 1).bit_length()
-        return cls(rows=rows, cols=min(cap, 1024, size * size // rows), **m1)
+        return cls(rows=rows, cols=min(cap, 1024, size * size // rows), **fixed)
 
 
 def normalize_platform(platform: str) -> str:

@@ -89,12 +89,35 @@ def _alti_raw(f, T, rows, j0):
 def blocked_scores(f, method: str, rows, aux=None, *, blocks: Blocks | None = None, precision="float32"):
     """The tiled XLA path: unnormalised scores (b, len(rows), l) (alti before its row normalisation;
     "logit+alti": (b, r, l, 2)). The fused kernel's reference: its tests compare the two, and its
-    backward is this function's VJP."""
+    backward is this function's VJP.
+
+    Differentiated (either mode), the tiles take ``blocks.tangent_rows`` target rows
+    (:class:`~latim_jax.kernels.block_sizes.Blocks`): the same values, in one loop of smaller tiles, so
+    the backward holds a smaller tile's copies while the plain forward keeps its faster tiles. Smaller
+    tiles in the one loop, not passes inside each tile: a loop of passes would accumulate its own
+    full-size cotangents of the closed-over factors (see :func:`~latim_jax.latim.blocking.blocked`)."""
     rows = as_rows(rows)
     blocks = f.tiles(rows.shape[0], blocks)
-    return blocked(
-        lambda rb, j0: pair_score(f, method, rb, j0, blocks, aux, precision), rows, f.length, blocks
-    )
+
+    def scores(f, aux, blocks):
+        return blocked(
+            lambda rb, j0: pair_score(f, method, rb, j0, blocks, aux, precision), rows, f.length, blocks
+        )
+
+    t = blocks.tangent_rows
+    if t is None or t >= blocks.rows:
+        return scores(f, aux, blocks)
+    tangent_blocks = dataclasses.replace(blocks, rows=t)
+
+    @jax.custom_jvp
+    def value(f, aux):
+        return scores(f, aux, blocks)
+
+    @value.defjvp
+    def _tangent(primals, tangents):
+        return jax.jvp(lambda f, aux: scores(f, aux, tangent_blocks), primals, tangents)
+
+    return value(f, aux)
 
 
 def _kernel_reference(f, method, rows, aux):

@@ -510,6 +510,51 @@ def test_mamba1_direct_form_takes_fewer_rows_per_pass_when_differentiated(monkey
     assert 4 in sizes and rel(got, want) < 1e-4
 
 
+@pytest.mark.parametrize("name, static", [("m2", True), ("m1", False)])
+def test_score_tiles_take_tangent_rows_when_differentiated(monkeypatch, name, static):
+    """Differentiated, the XLA score path runs its tiles with Blocks.tangent_rows target rows (4 here)
+    while a plain call keeps Blocks.rows (8): the scores, the gradient and a forward-mode derivative
+    equal those of the same tiles unsplit (tangent_rows = rows), on both versions and both schedules
+    (numpy rows: static; traced rows: the cond), and each path took the rows it should (a rule that
+    ignored tangent_rows, or a value that took it, fails the recorded sizes)."""
+    import latim_jax.latim.scores as scores_mod
+    from latim_jax.latim.kinds import layer_factors
+
+    real, sizes = scores_mod.blocked, []
+
+    def spy(tile, rows, length, blocks, **kw):
+        sizes.append(blocks.rows)
+        return real(tile, rows, length, blocks, **kw)
+
+    monkeypatch.setattr(scores_mod, "blocked", spy)
+    model = make(name)
+    rows = np.arange(24) if static else jnp.arange(24)
+    h = model.forward(jnp.asarray(tokens(length=24)), impl="xla").residuals[1]
+    v = jnp.asarray(np.random.default_rng(1).normal(size=h.shape), h.dtype)
+
+    def scores(h, blocks):
+        g = layer_factors(model, h, 1)
+        return scores_mod.layer_scores(g, "l2", rows, mask=jnp.ones((2, 24), bool), blocks=blocks)
+
+    def loss(h, blocks):
+        return jnp.sum(jnp.sin(scores(h, blocks)))
+
+    unsplit, split = Blocks(rows=8, cols=8, tangent_rows=8), Blocks(rows=8, cols=8, tangent_rows=4)
+    want_s, want = scores(h, unsplit), jax.grad(loss)(h, unsplit)
+    want_t = jax.jvp(lambda h: loss(h, unsplit), (h,), (v,))[1]
+    sizes.clear()
+    got_s = scores(h, split)
+    assert sizes == [8] and rel(got_s, want_s) < TOL["fp32"]
+    sizes.clear()
+    got = jax.grad(loss)(h, split)
+    assert set(sizes) == {4} and rel(got, want) < 1e-4
+    sizes.clear()
+    got_t = jax.jvp(lambda h: loss(h, split), (h,), (v,))[1]
+    assert set(sizes) == {4} and abs(got_t - want_t) < 1e-4 * abs(want_t)
+    # forward and reverse mode agree: the derivative along v is the gradient's inner product with v
+    assert abs(got_t - jnp.vdot(got, v)) < 1e-4 * abs(got_t)
+
+
 def test_compensated_cumsum_keeps_short_segments_accurate_far_along_the_sequence():
     """S_i - S_t from the compensated cumulative sum equals float64 to fp32 relative accuracy
     of the segment itself, for short segments thousands of steps in (where S is ~1e3-1e4 times the
