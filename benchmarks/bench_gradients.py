@@ -9,7 +9,8 @@ calls' peak RSS above the RSS just before them (compilation done; VmHWM reset th
 /proc/self/clear_refs: the "peak" the ratio target reads), the process's peak RSS above the RSS after
 building the inputs (compilation included: the gradient's larger program costs the compiler up to
 ~0.2 GiB more, whatever L), the compile time, the first call and the median of ``--repeats`` further
-calls (the first alone above L = 2048).
+calls (by default the first alone above L = 2048). ``--tangent-rows 64`` measures Mamba-2 with its
+tiles unsplit under differentiation (the baseline of :attr:`Blocks.tangent_rows`).
 
     python benchmarks/bench_gradients.py --lengths 256 1024 4096 --out benchmarks/results/gradients.json
 
@@ -40,6 +41,7 @@ from latim_jax.latim.scores import layer_scores
 
 version, L, kind, repeats, d = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), \
     int(sys.argv[5])
+tangent_rows = int(sys.argv[6]) or None
 if version == 1:
     cfg = MambaConfig(version=1, d_model=d, n_layers=1, vocab_size=256, d_state=16)
 else:
@@ -51,7 +53,8 @@ h = model.forward(tokens, impl="xla").residuals[0]
 
 def loss(h):
     f = layer_factors(model, h, 0, "exact", impl="xla")
-    return jnp.sum(layer_scores(f, "l2", np.arange(L), mask=jnp.ones((1, L), bool)))
+    blocks = latim_jax.Blocks(tangent_rows=tangent_rows)  # None: the default tiles
+    return jnp.sum(layer_scores(f, "l2", np.arange(L), mask=jnp.ones((1, L), bool), blocks=blocks))
 
 fn = jax.jit(loss if kind == "forward" else jax.grad(loss))
 def rss(field):
@@ -80,10 +83,11 @@ print(json.dumps({"version": version, "L": L, "d": d, "kind": kind, "temp_bytes"
 """
 
 
-def measure(version: int, length: int, kind: str, repeats: int, d_model: int = 768) -> dict:
+def measure(version: int, length: int, kind: str, repeats: int, d_model=768, tangent_rows=None) -> dict:
     """One measurement in a fresh process (so peak RSS is its own)."""
     out = subprocess.run(
-        [sys.executable, "-c", WORKER, str(version), str(length), kind, str(repeats), str(d_model)],
+        [sys.executable, "-c", WORKER, str(version), str(length), kind, str(repeats), str(d_model),
+         str(tangent_rows or 0)],
         capture_output=True, text=True, env=dict(os.environ),
     )  # fmt: skip
     if out.returncode != 0:
@@ -144,7 +148,13 @@ def main(argv=None) -> int:
     p.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096])
     p.add_argument("--versions", type=int, nargs="+", default=[1, 2], choices=(1, 2))
     p.add_argument("--d-model", type=int, default=768, help="the layer's width (768: 130m)")
-    p.add_argument("--repeats", type=int, default=2, help="timed calls after the first (0 above L = 2048)")
+    p.add_argument(
+        "--repeats", type=int, default=None, help="timed calls after the first (default 2; 0 above L = 2048)"
+    )
+    p.add_argument(
+        "--tangent-rows", type=int, default=None,
+        help="Blocks.tangent_rows (the score tiles' rows under differentiation; default: the layer's)",
+    )  # fmt: skip
     p.add_argument(
         "--compile-only", action="store_true", help="only XLA's compiled temporaries (no run: long L)"
     )
@@ -155,8 +165,9 @@ def main(argv=None) -> int:
     for version in args.versions:
         for length in args.lengths:
             for kind in ("forward", "grad"):
-                repeats = -1 if args.compile_only else (args.repeats if length <= 2048 else 0)
-                r = measure(version, length, kind, repeats, args.d_model)
+                default = 2 if length <= 2048 else 0
+                repeats = -1 if args.compile_only else (default if args.repeats is None else args.repeats)
+                r = measure(version, length, kind, repeats, args.d_model, args.tangent_rows)
                 rows.append(r)
                 print(json.dumps(r), flush=True)
     out = Path(args.out)

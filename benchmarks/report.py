@@ -73,6 +73,23 @@ python benchmarks/bench_gradients.py --versions 1 --lengths 2048 --repeats 0 \\
     --out benchmarks/results/gradients_130m_2048_m1_rows.json
 python benchmarks/bench_gradients.py --lengths 4096 --compile-only \\
     --out benchmarks/results/gradients_130m_4096_compiled_rows.json
+# Mamba-2's tiles of Blocks.tangent_rows = 16 rows under differentiation, beside the unsplit tiles
+python benchmarks/bench_gradients.py --versions 2 --lengths 1024 \\
+    --out benchmarks/results/gradients_m2_130m_1024_tangent.json
+python benchmarks/bench_gradients.py --versions 2 --lengths 1024 --tangent-rows 64 \\
+    --out benchmarks/results/gradients_m2_130m_1024_unsplit.json
+python benchmarks/bench_gradients.py --versions 2 --d-model 128 --lengths 1024 --repeats 10 \\
+    --out benchmarks/results/gradients_m2_d128_1024_tangent.json
+python benchmarks/bench_gradients.py --versions 2 --d-model 128 --lengths 1024 --repeats 10 \\
+    --tangent-rows 64 --out benchmarks/results/gradients_m2_d128_1024_unsplit.json
+python benchmarks/bench_gradients.py --versions 2 --d-model 128 --lengths 4096 --repeats 2 \\
+    --out benchmarks/results/gradients_m2_d128_4096_tangent.json
+python benchmarks/bench_gradients.py --versions 2 --d-model 128 --lengths 4096 --repeats 2 \\
+    --tangent-rows 64 --out benchmarks/results/gradients_m2_d128_4096_unsplit.json
+python benchmarks/bench_gradients.py --versions 2 --d-model 128 --lengths 1024 2048 4096 --repeats 5 \\
+    --out benchmarks/results/gradients_m2_d128_tangent.json
+python benchmarks/bench_gradients.py --versions 2 --lengths 2048 4096 --compile-only \\
+    --out benchmarks/results/gradients_m2_130m_compiled_tangent.json
 python benchmarks/bench_gradients.py --lengths 4096 --repeats 0 \\
     --out benchmarks/results/gradients_130m_4096.json  # ~30 min
 python benchmarks/bench_gradients.py --lengths 4096 --compile-only \\
@@ -97,6 +114,14 @@ python benchmarks/gpu_check.py
 CURRENT = (
     "hybrid",  # a Nemotron-H-shaped hybrid beside plain Mamba-2 of the same width (issue 25)
     "collectives",  # what a model-parallel run moves per layer, and a 7B pod estimate (issue 26)
+    "gradients_m2_130m_1024_tangent",  # Mamba-2, 16-row tiles under differentiation, 130m, L = 1024
+    "gradients_m2_130m_1024_unsplit",  # the same code with the unsplit tiles (--tangent-rows 64)
+    "gradients_m2_d128_1024_tangent",  # the pair at d 128, L = 1024, medians of 10 calls
+    "gradients_m2_d128_1024_unsplit",
+    "gradients_m2_d128_4096_tangent",  # the pair at d 128, L = 4096, medians of 2 calls
+    "gradients_m2_d128_4096_unsplit",
+    "gradients_m2_d128_tangent",  # d 128, L = 1024 / 2048 / 4096 (one call at 4096)
+    "gradients_m2_130m_compiled_tangent",  # 130m, L = 2048 / 4096, compiled temporaries
     "gradients_130m_1024_m1_rows",  # Mamba-1 after the taps' scan and 16-row tangent passes, 130m, 1024
     "gradients_130m_2048_m1_rows",  # the same at L = 2048
     "gradients_m2_130m_1024_rows",  # Mamba-2 with its sliced taps restored, 130m, L = 1024
