@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from latim_jax.model.config import OUTPUT_PARAMS, MambaConfig
+from latim_jax.model.config import MambaConfig
+from latim_jax.model.kind import kind_of
 
 from .config_fields import ConfigFields
 from .errors import CheckpointError
@@ -344,7 +345,7 @@ def granite_finish(data: dict[str, Any], config: MambaConfig, params: dict) -> d
 def fold_output_scale(config: MambaConfig, params: dict, m: float) -> None:
     """Scale every sublayer's output-side parameters by m, in place (their dtype kept)."""
     for kind, layer in zip(config.kinds, params["layers"], strict=True):
-        names = OUTPUT_PARAMS[kind]
+        names = kind_of(kind).output_params
         if "latent_out" in layer["mixer"]:  # the experts' sum passes latent_out: scale it, not experts_down
             names = tuple(n for n in names if n != "experts_down") + ("latent_out", "latent_out_b")
         for name in names:

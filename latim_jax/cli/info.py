@@ -8,7 +8,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from latim_jax.model.config import KIND_NAMES
+from latim_jax.model.kind import display_name
 from latim_jax.tasks import vocab
 from latim_jax.tasks.registry import TASK_FIELDS
 
@@ -63,7 +63,7 @@ def summary(model, path=None) -> str:
         per_layer, _ = parameter_counts(layer)
         where = "" if len(at) == c.n_layers else f" (layers {_spans(at)})"
         lines.append(
-            f"layers: {len(at)} x [RMSNorm, {KIND_NAMES[kind]}]{where} ({per_layer:,} parameters each)"
+            f"layers: {len(at)} x [RMSNorm, {display_name(kind)}]{where} ({per_layer:,} parameters each)"
         )
         lines.append(f"  {kind} parameters: {shapes}")
     head = "tied to the embedding" if c.tie_embeddings else "separate lm_head"

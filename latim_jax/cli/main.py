@@ -53,7 +53,7 @@ from latim_jax.latim.kinds import MODES
 from latim_jax.latim.memory import InsufficientMemoryError, human
 from latim_jax.latim.scores import LATIM_METHODS, METHODS, PRECISIONS
 from latim_jax.model import generate as generation
-from latim_jax.model.config import KIND_NAMES
+from latim_jax.model.kind import display_name
 from latim_jax.tasks import registry, vocab
 
 __all__ = [
@@ -316,7 +316,7 @@ def _pictures(args, model, result, labels, plot_layers):
         picked = [result.layers.index(k % n) for k in plot_layers]
     kinds = model.config.kinds if model.config.is_hybrid else None  # a hybrid's panels name their kind
     names = [
-        f"layer {result.layers[k]}" + (f" ({KIND_NAMES[kinds[result.layers[k]]]})" if kinds else "")
+        f"layer {result.layers[k]}" + (f" ({display_name(kinds[result.layers[k]])})" if kinds else "")
         for k in picked
     ]
     rows = list(result.rows) if result.rows is not None else list(range(len(labels)))

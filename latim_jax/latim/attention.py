@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from latim_jax.kernels import f32
 from latim_jax.kernels.block_sizes import Blocks
-from latim_jax.latim.blocking import DefaultTiles
+from latim_jax.latim.factors import Factors
 from latim_jax.model.attention import logits
 from latim_jax.model.layers import linear
 from latim_jax.parallel.context import XLA, Context
@@ -32,7 +32,7 @@ from latim_jax.parallel.context import XLA, Context
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class AttentionFactors(DefaultTiles):
+class AttentionFactors(Factors):
     """One attention sublayer's factors (fp32; see :mod:`latim_jax.latim.kinds` for the interface).
 
     q (b, l, H, a) scaled queries, k and v (b, l, G, a) keys and bias-free values, lse (b, H, l) the

@@ -21,21 +21,6 @@ def tiles(version: int, length: int, n_rows: int | None, blocks: Blocks | None) 
     return (blocks or Blocks()).over(Blocks.for_layer(version, length, n_rows))
 
 
-class DefaultTiles:
-    """``length`` and ``tiles`` of a layer kind whose factors hold the stream ``h`` (b, l, d) and score
-    in Mamba-2's default tiles (attention, token-wise and parallel kinds): one definition they share."""
-
-    @property
-    def length(self) -> int:
-        """Sequence length l."""
-        return self.h.shape[1]
-
-    def tiles(self, n_rows: int | None, blocks: Blocks | None) -> Blocks:
-        """The score tiles for ``n_rows`` target rows (None: all), Mamba-2's defaults completed with
-        ``blocks``."""
-        return tiles(2, self.length, n_rows, blocks)
-
-
 def as_rows(rows):
     """Target rows as int32, numpy kept as numpy (a schedule known when tracing: see :func:`blocked`)."""
     if isinstance(rows, np.ndarray):

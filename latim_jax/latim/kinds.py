@@ -1,34 +1,21 @@
-"""The layer-kind seam: how each kind of residual sublayer writes its output as a sum over source tokens.
+"""The layer-kind registry, filled here: every kind's declaration (:class:`latim_jax.model.kind.LayerKind`,
+beside its module) registered with its decomposition, and :func:`factors`, which builds a block's.
 
-Every block of a model names its kind (``block.kind``, from its mixer: "mamba1", "mamba2"). :data:`KINDS`
-maps a kind to the function that builds its factors,
+Every block of a model names its kind (``block.kind``, from its mixer: "mamba1", "mamba2", ...). A
+kind's decomposition
 
-    factors(block, h, mask, ctx, mode, *, hold_fixed, with_total) -> factors of the layer
+    factors(block, h, mask, ctx, mode, *, hold_fixed, with_total) -> Factors
 
-for the residual stream h (b, l, d) entering it, ``mask`` (b, l) bool of valid positions, the execution
-context and the decomposition mode (a kind that reads the embeddings h^0 beside its stream, Zamba2's
-"shared", also gets ``embeddings=``). The scores, the attribution loop and the conservation checks use
-only this interface of the factors:
+takes the residual stream h (b, l, d) entering it, ``mask`` (b, l) bool of valid positions, the
+execution context and the decomposition mode (a kind that reads the embeddings h^0 beside its stream,
+Zamba2's "shared", also gets ``embeddings=``), and returns an instance of a subclass of
+:class:`latim_jax.latim.factors.Factors`, whose docstring is the interface the scores read.
 
-    kind                       the kind's name
-    length                     l
-    h, output, bias            (b, l, d): the stream entering the layer, the sublayer's output o, and
-                               beta, the part of o that belongs to no token
-    W_out                      (e, d): T_i(x_j) = V_{i,j} @ W_out; None: V_{i,j} is T_i(x_j) (e = d)
-    token_total                (b, l, d) sum_j T_i(x_j) in O(l) (when built with with_total), or None
-    pair_values(rows, j0, width, blocks, channels_first=False)
-                               V (b, r, width, e) for target rows ``rows`` and sources [j0, j0 + width)
-    channels_first             the layout pair_values is fastest in ((b, e, r, width) when True)
-    tiles(n_rows, blocks)      the kind's default tiles completed with the caller's ``blocks``
-
-and, where the kind has one, ``ssm`` (:class:`latim_jax.kernels.decay.SSM`): the hidden-attention
-inputs, which the hidden-attention baseline and the fused Pallas score kernel read; a kind without
-one gives its own map as ``attention_map(rows, j0, width)`` (b, r, width) (attention: the forward's
-weights averaged over heads; token-wise: the identity).
-
-A new kind (an attention sublayer, a token-wise MLP, a parallel block) plugs in here: a mixer module in
-:mod:`latim_jax.model` whose ``kind`` names it, a module beside this one that builds its factors, and
-one entry in :data:`KINDS`. docs/architecture.md walks through it.
+This module is the one place kinds are registered: it is the lowest floor that sees both a kind's
+module (:mod:`latim_jax.model`) and its decomposition (:mod:`latim_jax.latim`), and it imports with the
+package, so the model floor's registry is full before any model is built. A new kind is a module with
+its ``LayerKind`` (model/<name>.py), a decomposition (latim/<name>.py) and one line below;
+docs/architecture.md walks through it.
 """
 
 from __future__ import annotations
@@ -38,18 +25,29 @@ import jax.numpy as jnp
 from latim_jax.kernels import f32
 from latim_jax.kernels.block_sizes import Blocks
 from latim_jax.latim import attention, mamba, parallel_mixer, shared_block, tokenwise
+from latim_jax.model.attention import ATTENTION
 from latim_jax.model.inputs import check_mask
+from latim_jax.model.kind import kind_of, register, registered
+from latim_jax.model.mixers import MAMBA1, MAMBA2
+from latim_jax.model.mlp import MLP
+from latim_jax.model.moe import MOE
+from latim_jax.model.parallel_mixer import PARALLEL
+from latim_jax.model.shared_block import SHARED
 from latim_jax.parallel.context import XLA, Context, resolve
 
-KINDS = {
-    "mamba1": mamba.factors,
-    "mamba2": mamba.factors,
-    "attention": attention.factors,
-    "mlp": tokenwise.factors,
-    "moe": tokenwise.factors,
-    "parallel": parallel_mixer.factors,
-    "shared": shared_block.factors,
-}
+# the registration: each kind's declaration with its decomposition
+for _kind, _factors in (
+    (MAMBA1, mamba.factors),
+    (MAMBA2, mamba.factors),
+    (ATTENTION, attention.factors),
+    (MLP, tokenwise.factors),
+    (MOE, tokenwise.factors),
+    (PARALLEL, parallel_mixer.factors),
+    (SHARED, shared_block.factors),
+):
+    register(_kind, factors=_factors, replace=True)
+
+KINDS = registered()  # name -> LayerKind, a live read-only view of the registry
 MODES = mamba.MODES
 check_mode = mamba.check_mode
 
@@ -58,13 +56,14 @@ def factors(
     block, h, mask, ctx: Context = XLA, mode: str = "exact", *, hold_fixed=False, with_total=False,
     embeddings=None,
 ):  # fmt: skip
-    """The factors of ``block`` (its kind's builder from :data:`KINDS`) for the stream h entering it;
-    ``embeddings``: h^0, passed to a kind that reads it (``block.reads_embeddings``: a shared block)."""
-    build = KINDS.get(block.kind)
-    if build is None:
-        raise ValueError(f"no decomposition for layer kind {block.kind!r}; known kinds: {sorted(KINDS)}")
-    extra = {"embeddings": embeddings} if block.reads_embeddings else {}
-    return build(block, h, mask, ctx, mode, hold_fixed=hold_fixed, with_total=with_total, **extra)
+    """The factors of ``block`` (its registered kind's decomposition) for the stream h entering it;
+    ``embeddings``: h^0, passed to a kind that reads it (``LayerKind.reads_embeddings``: a shared
+    block)."""
+    if block.kind not in KINDS:
+        raise ValueError(f"no decomposition for layer kind {block.kind!r}; registered kinds: {sorted(KINDS)}")
+    kind = kind_of(block.kind)
+    extra = {"embeddings": embeddings} if kind.reads_embeddings else {}
+    return kind.factors(block, h, mask, ctx, mode, hold_fixed=hold_fixed, with_total=with_total, **extra)
 
 
 def layer_factors(model, h, layer: int, mode: str = "exact", *, mask=None, impl="auto", embeddings=None):
@@ -96,6 +95,6 @@ def project(V, W_out, precision: str = "float32", channels_first: bool = False):
 
 
 def has_ssm(f) -> bool:
-    """Whether the factors carry a hidden attention M (the Mamba kinds): the fused Pallas kernel and
-    the hidden-attention baseline's tiles read it."""
-    return getattr(f, "ssm", None) is not None
+    """Whether the factors carry a hidden attention M (their class declares ``form = "ssm"``: the Mamba
+    kinds): the fused Pallas kernel and the hidden-attention baseline's tiles read it."""
+    return f.form == "ssm"

@@ -29,6 +29,7 @@ from latim_jax.kernels.block_sizes import Blocks
 from latim_jax.kernels.decay import SSM, decay_tile, far_tapped, in_window, m1_far_or_near, m2_far_or_near
 from latim_jax.kernels.products import bmul
 from latim_jax.latim.blocking import tiles
+from latim_jax.latim.factors import Factors
 from latim_jax.model.layers import activation, activation_gate, causal_conv, linear
 from latim_jax.parallel.context import XLA, Context
 
@@ -44,7 +45,7 @@ def check_mode(mode: str) -> str:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class MambaFactors:
+class MambaFactors(Factors):
     """Everything the per-pair contributions of one Mamba layer are built from (fp32).
 
     ssm: the hidden-attention inputs (:class:`latim_jax.kernels.decay.SSM`); a: (K, b, l, e) per-source
@@ -63,6 +64,8 @@ class MambaFactors:
     output: jax.Array
     h: jax.Array
     token_total: jax.Array | None
+
+    form = "ssm"
 
     @property
     def kind(self) -> str:

@@ -9,12 +9,11 @@ c = e (Mamba-1) or heads (Mamba-2), K conv taps, g groups, v vocabulary):
                  layer, (layers + 1) b l d fp32, plus the head's logits for one chunk of positions at a
                  time (targets and logits are gathered chunkwise); the other methods score each layer as
                  one pass reaches it: two streams, 2 b l d fp32
-    layer        one layer at a time: its factors (K + 3) b l e + 3 b l c + 2 b l g n + 5 b l d fp32 and
-                 the in_proj output (b l (2 e + 2 g n + heads), Mamba-1 b l 2 e), the
-                 scan's working set (Mamba-1: chunk x e x n per prompt; Mamba-2: its chunked SSD) and the
-                 score path's block working set (rows x cols x (e + d); Mamba-1 also its decay
-                 factors, (rows + cols) x e x n), plus the layer's (b, R, l) fp32 score matrix
-                 before any reduction
+    layer        one layer at a time: the largest of its kinds' working sets (``LayerKind.memory``; a
+                 Mamba layer: its factors (K + 3) b l e + 3 b l c + 2 b l g n + 5 b l d fp32, the
+                 in_proj output, the scan's working set and the score path's block working set,
+                 :func:`latim_jax.model.mixers.mamba_memory`), plus the layer's (b, R, l) fp32 score
+                 matrix before any reduction
     output       what the result keeps: layers x b x R x l scores in the output dtype, or x top_k
                  (values and int32 sources), nothing with streaming; the logit rollout's alti maps
                  (layers x b x l x l fp32) when every row of every layer is asked
@@ -32,6 +31,7 @@ import jax
 import numpy as np
 
 from latim_jax.latim.blocking import tiles
+from latim_jax.model.kind import kind_of
 
 GIB = 1024**3
 HEAD_CHUNK = 512  # positions per chunk when the head's logits are reduced to targets
@@ -100,44 +100,16 @@ def estimate(
     b, L = int(batch), int(length)
     R = L if rows is None else int(rows)
     n_layers = c.n_layers if layers is None else int(layers)
-    e, d, n, K = c.d_inner, c.d_model, c.d_state, c.d_conv
-    chans = e if c.version == 1 else c.n_heads
-    groups = 1 if c.version == 1 else c.n_groups
-    f4 = 4
+    d, f4 = c.d_model, 4
     params = sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for x in _leaves(model))
     if method in ("logit", "grad_input"):  # a forward first: every layer's input stream, and the head
         streams = (c.n_layers + 1) * b * L * d * f4 + b * min(L, HEAD_CHUNK) * c.n_tokens * f4
     else:  # one pass over the layers: the stream entering the layer and the next one
         streams = 2 * b * L * d * f4
-    in_width = 2 * e if c.version == 1 else 2 * e + 2 * groups * n + c.n_heads  # in_proj's output
-    factors = ((K + 3) * b * L * e + 3 * b * L * chans + 2 * b * L * groups * n + 5 * b * L * d) * f4
-    factors += b * L * in_width * f4
-    if c.version == 1:
-        scan = 3 * b * min(L, 256) * e * n * f4
-    else:
-        q = min(c.chunk_size, L)
-        scan = b * (L // max(q, 1) + 1) * (c.n_heads * c.head_dim * n + q * q * c.n_heads) * f4
     blk = tiles(c.version, L, None, blocks)
-    if c.version == 1:  # per block: segment sums, exponentials, M, values (r q e); P, Q ((r + q) e n)
-        work = b * (blk.rows * blk.cols * (4 * e + d) + (blk.rows + blk.cols) * e * n) * f4
-    else:
-        work = b * blk.rows * blk.cols * (2 * e + d + chans) * f4
+    # one layer at a time: the largest of the kinds' working sets (LayerKind.memory)
+    layer = max(kind_of(k).memory(c, b, L, blk.rows, blk.cols) for k in dict.fromkeys(c.kinds))
     layer_scores = b * R * L * f4
-    layer = factors + scan + work
-    if c.has_attention:  # q, k, v, the rows' lse, the forward's row tile; per block alpha, V, T
-        H, G, a = c.attn_heads, c.attn_kv_heads, c.attn_head_dim
-        attn = (b * L * (H + 2 * G) * a + b * H * L + 5 * b * L * d + 2 * b * H * min(L, 256) * L) * f4
-        attn += b * blk.rows * blk.cols * (H * a + 2 * H + d) * f4
-        # a parallel sublayer holds both halves' factors at once
-        layer = layer + attn if "parallel" in c.kinds else max(layer, attn)
-    if "shared" in c.kinds:  # a source block's two hops: its share of every position's input, (l, cols, .)
-        cols = min(32, L)
-        hops = b * L * cols * (3 * d + c.mlp_width + 5 * e + 2 * c.attn_heads * c.attn_head_dim) * f4
-        layer = max(layer, factors + scan + attn + b * L * c.mlp_width * 2 * f4 + hops)
-    if "mlp" in c.kinds:  # the hidden activations; per block the (diagonal) contributions
-        layer = max(
-            layer, (b * L * c.mlp_width * 2 + 5 * b * L * d) * f4 + b * blk.rows * blk.cols * 2 * d * f4
-        )
     itemsize = np.dtype(out_dtype).itemsize if out_dtype != "bfloat16" else 2
     if stream:
         output = 0

@@ -19,13 +19,13 @@ import jax.numpy as jnp
 
 from latim_jax.kernels.block_sizes import Blocks
 from latim_jax.latim import attention, mamba
-from latim_jax.latim.blocking import DefaultTiles
+from latim_jax.latim.factors import Factors
 from latim_jax.parallel.context import XLA, Context
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class ParallelFactors(DefaultTiles):
+class ParallelFactors(Factors):
     """A parallel sublayer's factors: ``ssm_part`` (:class:`latim_jax.latim.mamba.MambaFactors`) and
     ``attn_part`` (:class:`latim_jax.latim.attention.AttentionFactors`) of the two halves; W_out
     (e + H a, d) their output matrices stacked; bias, output, h (b, l, d) and token_total the sums.

@@ -155,7 +155,7 @@ def layer_scores(
     if kernels and method == "logit+alti":
         common = dict(mask=mask, ctx=ctx, blocks=blocks, precision=precision)
         return layer_scores(f, "logit", rows, aux=aux, **common), layer_scores(f, "alti", rows, **common)
-    if hasattr(f, "diagonal_scores"):  # a token-wise kind: only (i, i) pairs, no tiles
+    if f.form == "diagonal":  # a token-wise kind: only (i, i) pairs, no tiles
         s = f.diagonal_scores(method, rows, aux)
     elif kernels:
         s = fused_scores.fused_layer_scores(
@@ -213,12 +213,12 @@ def factor_specs(f, batch, data):
     (K, b, l, e) split on their batch axis; a kind made of parts (``parts``: a parallel block) applies
     this to each part; a kind's arrays without a batch axis (``replicated``: weights) are replicated."""
     specs = jax.tree.map(lambda _: batch, f)
-    if getattr(f, "W_out", None) is not None:
+    if f.W_out is not None:
         specs = dataclasses.replace(specs, W_out=P())
-    specs = dataclasses.replace(specs, **{name: P() for name in getattr(f, "replicated", ())})
+    specs = dataclasses.replace(specs, **{name: P() for name in f.replicated})
     if has_ssm(f):
         specs = dataclasses.replace(specs, a=P(None, data), ssm=dataclasses.replace(specs.ssm, A=P(), D=P()))
-    for name in getattr(f, "parts", ()):
+    for name in f.parts:
         specs = dataclasses.replace(specs, **{name: factor_specs(getattr(f, name), batch, data)})
     return specs
 

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from latim_jax.kernels import dispatch, f32
 from latim_jax.kernels.block_sizes import Blocks
 from latim_jax.latim import attention, mamba
-from latim_jax.latim.blocking import DefaultTiles
+from latim_jax.latim.factors import Factors
 from latim_jax.model.layers import activation, activation_gate, causal_conv, linear
 from latim_jax.model.mlp import MLP_ACTIVATIONS
 from latim_jax.parallel.context import XLA, Context
@@ -41,7 +41,7 @@ from latim_jax.parallel.context import XLA, Context
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class SharedFactors(DefaultTiles):
+class SharedFactors(Factors):
     """A shared sublayer's factors (fp32; shape letters: latim_jax.model.config, f the MLP width).
 
     attn_part: the shared attention's :class:`~latim_jax.latim.attention.AttentionFactors` (its W_out is

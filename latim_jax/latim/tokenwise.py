@@ -17,13 +17,13 @@ import jax.numpy as jnp
 
 from latim_jax.kernels import f32
 from latim_jax.kernels.block_sizes import Blocks
-from latim_jax.latim.blocking import DefaultTiles
+from latim_jax.latim.factors import Factors
 from latim_jax.parallel.context import XLA, Context
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class TokenwiseFactors(DefaultTiles):
+class TokenwiseFactors(Factors):
     """One token-wise sublayer's factors: output o, h (b, l, d); bias zeros; token_total = o."""
 
     kind: str = dataclasses.field(metadata=dict(static=True))
@@ -32,6 +32,7 @@ class TokenwiseFactors(DefaultTiles):
     h: jax.Array
     token_total: jax.Array | None
 
+    form = "diagonal"
     channels_first = False
     W_out = None
 

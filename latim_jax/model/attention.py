@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from latim_jax.kernels import f32
+from latim_jax.model.kind import LayerKind
 from latim_jax.model.layers import linear
 from latim_jax.model.params import ParamModule
 from latim_jax.parallel.context import XLA, Context
@@ -187,3 +188,53 @@ class AttentionMixer(ParamModule):
         alpha = jax.nn.softmax(s, axis=-1).reshape(x_t.shape[0], c.attn_kv_heads, -1, keys.shape[1])
         out = jnp.einsum("bgqw,bwga->bgqa", alpha, values).reshape(x_t.shape[0], -1) + self.value_bias()
         return linear(out, self.o_proj[...], self._get("o_b")), (keys, values, real, t + 1)
+
+
+def attention_shapes(c) -> dict[str, tuple[int, ...]]:
+    """An attention sublayer's parameters: q_proj (d, H a), k_proj and v_proj (d, G a), o_proj (H a, d);
+    q_b, k_b, v_b when ``attn_bias``, o_b (d,) when ``attn_out_bias``."""
+    d, a = c.d_model, c.attn_head_dim
+    out = {
+        "q_proj": (d, c.attn_heads * a),
+        "k_proj": (d, c.attn_kv_heads * a),
+        "v_proj": (d, c.attn_kv_heads * a),
+        "o_proj": (c.attn_heads * a, d),
+    }
+    if c.attn_bias:
+        out.update(q_b=(c.attn_heads * a,), k_b=(c.attn_kv_heads * a,), v_b=(c.attn_kv_heads * a,))
+    if c.attn_out_bias:
+        out["o_b"] = (d,)
+    return out
+
+
+def check_attention(c) -> None:
+    """The config fields an attention sublayer reads: positive head counts and head dim, query heads a
+    multiple of key/value heads, an even rope_dim within the head, a window >= 0."""
+    for name in ("attn_heads", "attn_kv_heads", "attn_head_dim"):
+        value = getattr(c, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"MambaConfig.{name} must be a positive int for attention, found {value!r}")
+    if c.attn_heads % c.attn_kv_heads:
+        raise ValueError(
+            f"MambaConfig.attn_heads {c.attn_heads} is not a multiple of attn_kv_heads {c.attn_kv_heads}"
+        )
+    if c.rope_dim < 0 or c.rope_dim > c.attn_head_dim or c.rope_dim % 2:
+        raise ValueError(
+            f"MambaConfig.rope_dim must be even and within [0, {c.attn_head_dim}], found {c.rope_dim}"
+        )
+    if c.sliding_window < 0:
+        raise ValueError(f"MambaConfig.sliding_window must be >= 0, found {c.sliding_window}")
+
+
+def attention_memory(c, b: int, length: int, rows: int, cols: int) -> int:
+    """Bytes of one attention layer while decomposed (fp32): q, k, v, the rows' log-sum-exp, the
+    forward's row tile, and per score tile the weights alpha, the values V and T."""
+    H, G, a, d, L = c.attn_heads, c.attn_kv_heads, c.attn_head_dim, c.d_model, length
+    attn = (b * L * (H + 2 * G) * a + b * H * L + 5 * b * L * d + 2 * b * H * min(L, 256) * L) * 4
+    return attn + b * rows * cols * (H * a + 2 * H + d) * 4
+
+
+ATTENTION = LayerKind(
+    name="attention", display="attention", module=AttentionMixer, shapes=attention_shapes,
+    output_params=("o_proj", "o_b"), check=check_attention, memory=attention_memory, holds_attention=True,
+)  # fmt: skip

@@ -7,11 +7,12 @@ Shape glossary (used across the library):
     attention sublayers: H query heads, G key/value heads, a head dim (attn_head_dim);
     token-wise MLP sublayers: f hidden width (mlp_width).
 
-A model is a stack of residual sublayers h + Mixer(RMSNorm(h)), each of one *kind*
-(:data:`LAYER_KINDS`): the Mamba mixer of ``version`` ("mamba1" / "mamba2"), softmax attention
-("attention"), or a token-wise MLP ("mlp"). A plain Mamba model has ``layer_kinds=()``: every
+A model is a stack of residual sublayers h + Mixer(RMSNorm(h)), each of one registered *kind*
+(:mod:`latim_jax.model.kind`): the Mamba mixer of ``version`` ("mamba1" / "mamba2"), softmax attention
+("attention"), a token-wise MLP ("mlp"), ... A plain Mamba model has ``layer_kinds=()``: every
 sublayer is its Mamba mixer. A hybrid lists one kind per sublayer (Nemotron-H's pattern, Bamba's
-mixer + feed-forward pairs written as two sublayers each).
+mixer + feed-forward pairs written as two sublayers each). The kinds read today read MambaConfig's own
+fields; a kind may instead declare a config *section* (``sections``: kind -> its settings dataclass).
 """
 
 from __future__ import annotations
@@ -21,30 +22,14 @@ import json
 import math
 from typing import Any
 
+from latim_jax.model.kind import kind_of, registered
+
 ACTIVATIONS = ("silu", "relu", "identity")
 MLP_ACTIVATIONS = ("silu", "relu", "relu2", "gelu", "gelu_tanh")
-LAYER_KINDS = ("mamba1", "mamba2", "attention", "mlp", "moe", "parallel", "shared")
-# the kinds that hold a softmax attention (a parallel block: Mamba-2 and attention side by side; a
-# shared block: Zamba2's transformer block feeding a Mamba-2's input)
-ATTENTION_KINDS = ("attention", "parallel", "shared")
 # how Mamba-2's output y meets its gate SiLU(z) (Falcon-H1 picks per config): "gated" RMSNorm of
 # y * SiLU(z) (mamba_ssm, transformers' Mamba2), "before_gate" RMSNorm(y) * SiLU(z), "none" y * SiLU(z)
 SSM_NORMS = ("gated", "before_gate", "none")
-# each kind's parameters on its output side: scaling them scales the sublayer's output (a residual
-# multiplier folds into them)
-OUTPUT_PARAMS = {
-    "mamba1": ("out_proj", "out_proj_b"),
-    "mamba2": ("out_proj", "out_proj_b"),
-    "attention": ("o_proj", "o_b"),
-    "mlp": ("down_proj", "down_b"),
-    "moe": ("experts_down", "shared_down", "shared_down_b"),  # latent MoE: latent_out(_b), not experts_down
-    "parallel": ("out_proj", "out_proj_b", "o_proj", "o_b"),
-    "shared": ("out_proj", "out_proj_b"),  # the shared block's output reaches the stream only through the SSM
-}
 MOE_ROUTERS = ("softmax_topk", "softmax_all", "sigmoid_groups")
-# how plots, tables and the CLI name each kind
-KIND_NAMES = {"mamba1": "Mamba-1", "mamba2": "Mamba-2", "attention": "attention", "mlp": "MLP", "moe": "MoE",
-              "parallel": "Mamba-2 + attention", "shared": "shared block + Mamba-2"}  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -120,6 +105,9 @@ class MambaConfig:
     # sublayer's output projection when the checkpoint is read
     embedding_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    # the config sections of kinds that declare one (LayerKind.section): kind name -> its settings (a
+    # dict or the section dataclass on input; held as sorted (name, section) pairs)
+    sections: Any = ()
 
     @property
     def n_tokens(self) -> int:
@@ -173,76 +161,56 @@ class MambaConfig:
     def _check_kinds(self) -> None:
         kinds = tuple(self.layer_kinds)
         object.__setattr__(self, "layer_kinds", kinds)
-        if not kinds:
-            return
-        if len(kinds) != self.n_layers:
+        self._check_sections()
+        if kinds and len(kinds) != self.n_layers:
             raise ValueError(
                 f"MambaConfig.layer_kinds has {len(kinds)} entries for n_layers {self.n_layers}: "
                 "one per sublayer"
             )
-        ssm = f"mamba{self.version}"
-        for i, kind in enumerate(kinds):
-            needs_v2 = kind in ("parallel", "shared")
-            wrong = (kind.startswith("mamba") and kind != ssm) or (needs_v2 and self.version != 2)
-            if kind not in LAYER_KINDS or wrong:
-                allowed = [ssm, "attention", "mlp", "moe"]
-                allowed += ["parallel", "shared"] if self.version == 2 else []
-                raise ValueError(f"MambaConfig.layer_kinds[{i}] is {kind!r}; expected one of {allowed}")
-        if self.has_attention:
-            for name in ("attn_heads", "attn_kv_heads", "attn_head_dim"):
-                value = getattr(self, name)
-                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                    raise ValueError(
-                        f"MambaConfig.{name} must be a positive int for attention, found {value!r}"
-                    )
-            if self.attn_heads % self.attn_kv_heads:
+        for i, name in enumerate(kinds):
+            known = name in registered()
+            if not known or kind_of(name).version not in (None, self.version):
+                allowed = [k.name for k in registered().values() if k.version in (None, self.version)]
+                raise ValueError(f"MambaConfig.layer_kinds[{i}] is {name!r}; expected one of {allowed}")
+        for name in dict.fromkeys(self.kinds):
+            kind = kind_of(name)
+            if kind.section is not None and name not in dict(self.sections):
                 raise ValueError(
-                    f"MambaConfig.attn_heads {self.attn_heads} is not a multiple of attn_kv_heads "
-                    f"{self.attn_kv_heads}"
+                    f"MambaConfig: layer kind {name!r} needs its config section sections[{name!r}]"
                 )
-            if self.rope_dim < 0 or self.rope_dim > self.attn_head_dim or self.rope_dim % 2:
-                raise ValueError(
-                    f"MambaConfig.rope_dim must be even and within [0, {self.attn_head_dim}], "
-                    f"found {self.rope_dim}"
-                )
-            if self.sliding_window < 0:
-                raise ValueError(f"MambaConfig.sliding_window must be >= 0, found {self.sliding_window}")
-        if "mlp" in kinds or "shared" in kinds:
-            if isinstance(self.mlp_width, bool) or not isinstance(self.mlp_width, int) or self.mlp_width < 1:
-                raise ValueError(
-                    f"MambaConfig.mlp_width must be a positive int for MLP layers, found {self.mlp_width!r}"
-                )
-            if self.mlp_activation not in MLP_ACTIVATIONS:
-                raise ValueError(
-                    f"MambaConfig.mlp_activation must be one of {MLP_ACTIVATIONS}, "
-                    f"found {self.mlp_activation!r}"
-                )
+            kind.check(self)
 
-        if "moe" in kinds:
-            for name in ("moe_experts", "moe_top_k", "moe_width"):
-                value = getattr(self, name)
-                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                    raise ValueError(
-                        f"MambaConfig.{name} must be a positive int for MoE layers, found {value!r}"
-                    )
-            latent = self.moe_latent
-            if isinstance(latent, bool) or not isinstance(latent, int) or latent < 0:
-                raise ValueError(f"MambaConfig.moe_latent must be an int >= 0 (0: none), found {latent!r}")
-            if self.moe_top_k > self.moe_experts or self.moe_router not in MOE_ROUTERS:
+    def _check_sections(self) -> None:
+        given = self.sections
+        if isinstance(given, dict):
+            given = tuple(given.items())
+        out = []
+        for item in tuple(given):
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+                raise ValueError(f"MambaConfig.sections must map kind names to sections, found {item!r}")
+            name, section = item
+            cls = kind_of(name).section
+            if cls is None:
+                raise ValueError(f"MambaConfig.sections[{name!r}]: layer kind {name!r} declares no section")
+            if isinstance(section, dict):
+                section = cls.from_dict(section)
+            elif not isinstance(section, cls):
                 raise ValueError(
-                    f"MambaConfig: moe_top_k {self.moe_top_k} of {self.moe_experts} experts, router "
-                    f"{self.moe_router!r} (one of {MOE_ROUTERS})"
+                    f"MambaConfig.sections[{name!r}] must be a {cls.__name__} or a dict, found "
+                    f"{type(section).__name__}"
                 )
-            if self.moe_router == "sigmoid_groups" and (
-                self.moe_experts % self.moe_groups or self.moe_experts // self.moe_groups < 2
-                or not 1 <= self.moe_topk_groups <= self.moe_groups
-            ):  # fmt: skip
-                raise ValueError(
-                    f"MambaConfig: {self.moe_experts} experts in {self.moe_groups} groups (at least 2 "
-                    f"each), {self.moe_topk_groups} groups kept"
-                )
-            if self.mlp_activation not in MLP_ACTIVATIONS:
-                raise ValueError(f"MambaConfig.mlp_activation must be one of {MLP_ACTIVATIONS}")
+            out.append((name, section))
+        object.__setattr__(self, "sections", tuple(sorted(out, key=lambda kv: kv[0])))
+
+    def section(self, name: str):
+        """The config section of layer kind ``name`` (its ``LayerKind.section`` dataclass); a KeyError
+        naming the kind when the config has none."""
+        found = dict(self.sections).get(name)
+        if found is None:
+            raise KeyError(
+                f"MambaConfig has no section for layer kind {name!r} (sections: {dict(self.sections)})"
+            )
+        return found
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -255,23 +223,23 @@ class MambaConfig:
         if not self.is_hybrid:
             return f"{self.family}: Mamba-{self.version}" if self.family else f"Mamba-{self.version}"
         counts = {k: self.kinds.count(k) for k in dict.fromkeys(self.kinds)}
-        mix = ", ".join(f"{n} {KIND_NAMES[k]}" for k, n in counts.items())
+        mix = ", ".join(f"{n} {kind_of(k).display}" for k, n in counts.items())
         return f"{self.family or 'hybrid'}: {mix} sublayers"
 
     @property
     def has_attention(self) -> bool:
-        """Whether some sublayer holds a softmax attention (an "attention" or "parallel" kind)."""
-        return any(k in ATTENTION_KINDS for k in self.kinds)
+        """Whether some sublayer holds a softmax attention (its kind's ``holds_attention``)."""
+        return any(kind_of(k).holds_attention for k in dict.fromkeys(self.kinds))
 
     @property
     def reads_embeddings(self) -> bool:
         """Whether some sublayer reads the embeddings h^0 besides its own input (a "shared" kind)."""
-        return "shared" in self.kinds
+        return any(kind_of(k).reads_embeddings for k in dict.fromkeys(self.kinds))
 
     @property
     def is_hybrid(self) -> bool:
         """Whether some sublayer is not the Mamba mixer."""
-        return any(not k.startswith("mamba") for k in self.kinds)
+        return any(k != f"mamba{self.version}" for k in self.kinds)
 
     @property
     def d_inner(self) -> int:
@@ -295,6 +263,9 @@ class MambaConfig:
         out = dataclasses.asdict(self)
         out["time_step_limit"] = [_float_to_json(x) for x in self.time_step_limit]
         out["layer_kinds"] = list(self.layer_kinds)
+        out["sections"] = {name: dataclasses.asdict(section) for name, section in self.sections}
+        if not out["sections"]:
+            del out["sections"]  # configs without sections read the same in older versions
         return out
 
     def to_json(self) -> str:
@@ -335,152 +306,17 @@ def param_shapes(config: MambaConfig) -> dict[str, Any]:
 
     Layout (math orientation: activations right-multiply, ``y = x @ W``):
         embedding (v, d); norm_f (d,); lm_head (v, d) when untied;
-        layers: a list of {"norm": (d,), "mixer": {...}}.
-    Mamba-1 mixer: in_proj (d, 2e), conv_w (k, e) [conv_w[k-1] multiplies the current token],
-        conv_b (e,), x_proj (e, r+2n), dt_proj (r, e), dt_bias (e,), A_log (e, n), D (e,),
-        out_proj (e, d); in_proj_b (2e,) and out_proj_b (d,) when proj_bias.
-    Mamba-2 mixer: in_proj (d, 2e+2gn+h) [order z, x, B, C, dt], conv_w (k, e+2gn), conv_b (e+2gn,),
-        dt_bias (h,), A_log (h,), D (h,), norm_w (e,) (none when ``ssm_norm`` is "none"), out_proj (e, d);
-        biases as in Mamba-1 (out_proj_b follows ``out_proj_bias`` when that is set).
-    Attention and MLP sublayers: see :func:`attention_shapes`, :func:`mlp_shapes`; a parallel sublayer
-    holds the Mamba-2 mixer's parameters and the attention's in one dict (their names differ); a shared
-    sublayer the Mamba-2 mixer's and its transformer block's (:func:`shared_block_shapes`).
+        layers: a list of {"norm": (d,), "mixer": {...}}, each mixer's parameters its kind's
+        ``LayerKind.shapes(config)`` (the Mamba mixers: :func:`latim_jax.model.mixers.mamba_shapes`;
+        attention, MLP, MoE, parallel and shared sublayers: the ``*_shapes`` function beside each module).
     """
     c = config
-    e, n, k, d = c.d_inner, c.d_state, c.d_conv, c.d_model
-    if c.version == 1:
-        mixer = {
-            "in_proj": (d, 2 * e),
-            "conv_w": (k, e),
-            "x_proj": (e, c.dt_rank + 2 * n),
-            "dt_proj": (c.dt_rank, e),
-            "dt_bias": (e,),
-            "A_log": (e, n),
-            "D": (e,),
-            "out_proj": (e, d),
-        }
-        if c.bcdt_norm and c.bcdt_norm_weight:
-            mixer.update(dt_norm_w=(c.dt_rank,), B_norm_w=(n,), C_norm_w=(n,))
-        in_width = 2 * e
-    else:
-        h = c.n_heads
-        in_width = 2 * e + 2 * c.n_groups * n + h
-        mixer = {
-            "in_proj": (d, in_width),
-            "conv_w": (k, c.conv_dim),
-            "dt_bias": (h,),
-            "A_log": (h,),
-            "D": (h,),
-            "norm_w": (e,),
-            "out_proj": (e, d),
-        }
-    if c.conv_bias:
-        mixer["conv_b"] = (c.conv_dim,)
-    if c.version == 2 and c.ssm_norm == "none":
-        del mixer["norm_w"]
-    if c.proj_bias:
-        mixer["in_proj_b"] = (in_width,)
-    if c.proj_bias if c.out_proj_bias is None else c.out_proj_bias:
-        mixer["out_proj_b"] = (d,)
-    by_kind = {f"mamba{c.version}": mixer}
-    if c.has_attention:
-        by_kind["attention"] = attention_shapes(c)
-    if "parallel" in c.kinds:  # the Mamba-2 mixer's and the attention's parameters side by side
-        by_kind["parallel"] = {**mixer, **by_kind["attention"]}
-    if "mlp" in c.kinds:
-        by_kind["mlp"] = mlp_shapes(c)
-    if "shared" in c.kinds:
-        by_kind["shared"] = {**mixer, **shared_block_shapes(c)}
-    if "moe" in c.kinds:
-        by_kind["moe"] = moe_shapes(c)
+    by_kind = {name: kind_of(name).shapes(c) for name in dict.fromkeys(c.kinds)}
     tree: dict[str, Any] = {
-        "embedding": (c.vocab_size, d),
-        "layers": [{"norm": (d,), "mixer": dict(by_kind[kind])} for kind in c.kinds],
-        "norm_f": (d,),
+        "embedding": (c.vocab_size, c.d_model),
+        "layers": [{"norm": (c.d_model,), "mixer": dict(by_kind[kind])} for kind in c.kinds],
+        "norm_f": (c.d_model,),
     }
     if not c.tie_embeddings:
-        tree["lm_head"] = (c.vocab_size, d)
+        tree["lm_head"] = (c.vocab_size, c.d_model)
     return tree
-
-
-def attention_shapes(c: MambaConfig) -> dict[str, tuple[int, ...]]:
-    """An attention sublayer's parameters: q_proj (d, H a), k_proj and v_proj (d, G a), o_proj (H a, d);
-    q_b, k_b, v_b when ``attn_bias``, o_b (d,) when ``attn_out_bias``."""
-    d, a = c.d_model, c.attn_head_dim
-    out = {
-        "q_proj": (d, c.attn_heads * a),
-        "k_proj": (d, c.attn_kv_heads * a),
-        "v_proj": (d, c.attn_kv_heads * a),
-        "o_proj": (c.attn_heads * a, d),
-    }
-    if c.attn_bias:
-        out.update(q_b=(c.attn_heads * a,), k_b=(c.attn_kv_heads * a,), v_b=(c.attn_kv_heads * a,))
-    if c.attn_out_bias:
-        out["o_b"] = (d,)
-    return out
-
-
-def shared_block_shapes(c: MambaConfig) -> dict[str, tuple[int, ...]]:
-    """A shared transformer block's parameters (Zamba2; one copy per sublayer, each with its own adapters
-    folded in): attn_norm (2d,) over [h; h^0], the attention's q_proj (2d, H a), k_proj and v_proj
-    (2d, G a), o_proj (H a, d), ff_norm (d,), the gated MLP's gate_proj, up_proj (d, f), down_proj (f, d),
-    and shared_out (d, d), the linear map into the Mamba-2's input; gate_b, up_b (f,), down_b (d,) when
-    ``mlp_bias``."""
-    d, a = c.d_model, c.attn_head_dim
-    out = {
-        "attn_norm": (2 * d,),
-        "q_proj": (2 * d, c.attn_heads * a),
-        "k_proj": (2 * d, c.attn_kv_heads * a),
-        "v_proj": (2 * d, c.attn_kv_heads * a),
-        "o_proj": (c.attn_heads * a, d),
-        "ff_norm": (d,),
-        "gate_proj": (d, c.mlp_width),
-        "up_proj": (d, c.mlp_width),
-        "down_proj": (c.mlp_width, d),
-        "shared_out": (d, d),
-    }
-    if c.mlp_bias:
-        out.update(gate_b=(c.mlp_width,), up_b=(c.mlp_width,), down_b=(d,))
-    return out
-
-
-def mlp_shapes(c: MambaConfig) -> dict[str, tuple[int, ...]]:
-    """A token-wise MLP sublayer's parameters: up_proj (d, f), gate_proj (d, f) when gated, down_proj
-    (f, d); up_b (and gate_b), down_b when ``mlp_bias``."""
-    d, f = c.d_model, c.mlp_width
-    out = {"up_proj": (d, f), "down_proj": (f, d)}
-    if c.mlp_gated:
-        out["gate_proj"] = (d, f)
-    if c.mlp_bias:
-        out.update(up_b=(f,), down_b=(d,))
-        if c.mlp_gated:
-            out["gate_b"] = (f,)
-    return out
-
-
-def moe_shapes(c: MambaConfig) -> dict[str, tuple[int, ...]]:
-    """A mixture-of-experts sublayer's parameters: router (d, E) (router_bias (E,) for sigmoid_groups:
-    the correction added for the choice only), experts_up (E, d', f), experts_gate (E, d', f) when gated,
-    experts_down (E, f, d') with d' = d, or d' = moe_latent with latent_in (d, d') before the experts and
-    latent_out (d', d) after their weighted sum (biases latent_in_b, latent_out_b when ``mlp_bias``); the
-    shared expert shared_up (d, s), shared_gate, shared_down (s, d) and their biases when ``mlp_bias``."""
-    d, E, f, s = c.d_model, c.moe_experts, c.moe_width, c.moe_shared_width
-    lat = c.moe_latent or d
-    out = {"router": (d, E), "experts_up": (E, lat, f), "experts_down": (E, f, lat)}
-    if c.moe_latent:
-        out.update(latent_in=(d, lat), latent_out=(lat, d))
-        if c.mlp_bias:
-            out.update(latent_in_b=(lat,), latent_out_b=(d,))
-    if c.moe_router == "sigmoid_groups":
-        out["router_bias"] = (E,)
-    if c.mlp_gated:
-        out["experts_gate"] = (E, lat, f)
-    if s:
-        out.update(shared_up=(d, s), shared_down=(s, d))
-        if c.mlp_gated:
-            out["shared_gate"] = (d, s)
-        if c.mlp_bias:
-            out.update(shared_up_b=(s,), shared_down_b=(d,))
-            if c.mlp_gated:
-                out["shared_gate_b"] = (s,)
-    return out

@@ -3,8 +3,8 @@
 h^0 = E[ids];  h^{l+1} = h^l + Mixer_l(RMSNorm_l(h^l))   (residual stream in fp32)
 logits = RMSNorm_f(h^L) @ E_out^T                          (E_out = E when tied)
 
-Mixer_l is the sublayer of kind ``config.kinds[l]`` (:data:`MIXERS`): a Mamba mixer, attention or a
-token-wise MLP.
+Mixer_l is the sublayer of kind ``config.kinds[l]`` (its registered ``LayerKind.module``:
+:mod:`latim_jax.model.kind`): a Mamba mixer, attention, a token-wise MLP, ...
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import numpy as np
 from flax import nnx
 
 from latim_jax.kernels import f32
-from latim_jax.model.attention import AttentionMixer
 from latim_jax.model.config import MambaConfig, param_shapes
 from latim_jax.model.inputs import (
     bucket_pad,
@@ -30,13 +29,9 @@ from latim_jax.model.inputs import (
     traced_invalid,
 )
 from latim_jax.model.jit import bound_compiled_programs, jit_model_fn
+from latim_jax.model.kind import kind_of
 from latim_jax.model.layers import normed_linear, rms_norm
-from latim_jax.model.mixers import Mamba1Mixer, Mamba2Mixer
-from latim_jax.model.mlp import MLPMixer
-from latim_jax.model.moe import MoEMixer
-from latim_jax.model.parallel_mixer import ParallelMixer
 from latim_jax.model.sharding import context
-from latim_jax.model.shared_block import SharedBlockMixer
 from latim_jax.parallel.context import XLA, Context
 from latim_jax.parallel.mesh import DATA, P, gather, pad_batch, put
 
@@ -68,17 +63,6 @@ class ModelOutput:
     residuals: jax.Array
 
 
-# layer kind -> its module (config.LAYER_KINDS)
-MIXERS = {
-    "mamba1": Mamba1Mixer,
-    "mamba2": Mamba2Mixer,
-    "attention": AttentionMixer,
-    "mlp": MLPMixer,
-    "moe": MoEMixer,
-    "parallel": ParallelMixer,
-    "shared": SharedBlockMixer,
-}
-
 # a prompt of at least this many positions runs in_proj with its pre-norm folded past the product
 FOLD_FROM_LENGTH = 4096
 
@@ -99,23 +83,25 @@ class Block(nnx.Module):
     ):
         self.config = config
         self.norm = nnx.Param(jnp.asarray(params["norm"]))
-        self.mixer = MIXERS[kind or f"mamba{config.version}"](config, params["mixer"])
+        self.mixer = kind_of(kind or f"mamba{config.version}").module(config, params["mixer"])
         self.fold_from = fold_from
 
     @property
     def kind(self) -> str:
-        """The layer kind (config.LAYER_KINDS): "mamba1", "mamba2", "attention", "mlp", "moe", "parallel"."""
+        """The layer kind (a registered :class:`latim_jax.model.kind.LayerKind`'s name): "mamba1",
+        "mamba2", "attention", "mlp", "moe", "parallel", "shared", ..."""
         return self.mixer.kind
 
     @property
     def is_ssm(self) -> bool:
-        """Whether the mixer is a Mamba mixer (an in_proj the pre-norm can fold into)."""
-        return self.kind.startswith("mamba")
+        """Whether the pre-norm feeds the mixer's in_proj (the kind's ``folds_norm``: a Mamba mixer)."""
+        return kind_of(self.kind).folds_norm
 
     @property
     def reads_embeddings(self) -> bool:
-        """Whether the block reads the embeddings h^0 beside its input stream (a "shared" block)."""
-        return self.kind == "shared"
+        """Whether the block reads the embeddings h^0 beside its input stream (the kind's
+        ``reads_embeddings``: a "shared" block)."""
+        return kind_of(self.kind).reads_embeddings
 
     @property
     def ssm_mixer(self):

@@ -9,12 +9,14 @@ there is one copy of the forward math.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
 
 from latim_jax.kernels import dispatch, f32
 from latim_jax.model.channel_layout import CONV_ORDER, IN_ORDER, channel_layout
+from latim_jax.model.kind import LayerKind
 from latim_jax.model.layers import (
     activation,
     activation_gate,
@@ -73,7 +75,8 @@ class Intermediates:
 
 
 # parameter name -> its inner-channel / head axis (laid out over the mesh's "model" axis by
-# latim_jax.model.sharding); parameters not named here are replicated
+# latim_jax.model.sharding: the Mamba kinds' LayerKind.channel_axis); parameters not named here are
+# replicated
 CHANNEL_AXIS = {
     "in_proj": 1,
     "in_proj_b": 0,
@@ -338,3 +341,119 @@ def _unit_rms(x, eps, dtype, weight=None):
     dtype, then times ``weight`` when there is one (Jamba applies it after the cast), in fp32."""
     y = rms_norm(x, jnp.ones((), f32), eps).astype(dtype).astype(f32)
     return y if weight is None else y * weight.astype(f32)
+
+
+def mamba_shapes(c) -> dict[str, tuple[int, ...]]:
+    """A Mamba mixer's parameters for ``c.version`` (math orientation, ``y = x @ W``).
+
+    Mamba-1: in_proj (d, 2e), conv_w (k, e) [conv_w[k-1] multiplies the current token], conv_b (e,),
+        x_proj (e, r+2n), dt_proj (r, e), dt_bias (e,), A_log (e, n), D (e,), out_proj (e, d);
+        dt_norm_w (r,), B_norm_w, C_norm_w (n,) with weighted B/C/Delta norms (Jamba).
+    Mamba-2: in_proj (d, 2e+2gn+h) [order z, x, B, C, dt], conv_w (k, e+2gn), conv_b (e+2gn,),
+        dt_bias (h,), A_log (h,), D (h,), norm_w (e,) (none when ``ssm_norm`` is "none"), out_proj (e, d).
+    Both: in_proj_b and out_proj_b when ``proj_bias`` (out_proj_b follows ``out_proj_bias`` when set),
+        conv_b when ``conv_bias``.
+    """
+    e, n, k, d = c.d_inner, c.d_state, c.d_conv, c.d_model
+    if c.version == 1:
+        mixer = {
+            "in_proj": (d, 2 * e),
+            "conv_w": (k, e),
+            "x_proj": (e, c.dt_rank + 2 * n),
+            "dt_proj": (c.dt_rank, e),
+            "dt_bias": (e,),
+            "A_log": (e, n),
+            "D": (e,),
+            "out_proj": (e, d),
+        }
+        if c.bcdt_norm and c.bcdt_norm_weight:
+            mixer.update(dt_norm_w=(c.dt_rank,), B_norm_w=(n,), C_norm_w=(n,))
+        in_width = 2 * e
+    else:
+        h = c.n_heads
+        in_width = 2 * e + 2 * c.n_groups * n + h
+        mixer = {
+            "in_proj": (d, in_width),
+            "conv_w": (k, c.conv_dim),
+            "dt_bias": (h,),
+            "A_log": (h,),
+            "D": (h,),
+            "norm_w": (e,),
+            "out_proj": (e, d),
+        }
+    if c.conv_bias:
+        mixer["conv_b"] = (c.conv_dim,)
+    if c.version == 2 and c.ssm_norm == "none":
+        del mixer["norm_w"]
+    if c.proj_bias:
+        mixer["in_proj_b"] = (in_width,)
+    if c.proj_bias if c.out_proj_bias is None else c.out_proj_bias:
+        mixer["out_proj_b"] = (d,)
+    return mixer
+
+
+def _conv_uniform(key, shape, c):
+    """The conv's weights and bias: U(+-1/sqrt(k))."""
+    bound = 1.0 / math.sqrt(c.d_conv)
+    return jax.random.uniform(key, shape, jnp.float32, -bound, bound)
+
+
+def _dt_bias(key, shape, c, dt_min=1e-3, dt_max=1e-1, floor=1e-4):
+    """softplus^{-1} of Delta drawn log-uniformly in [dt_min, dt_max]."""
+    del c
+    lo, hi = math.log(dt_min), math.log(dt_max)
+    dt = jnp.exp(jax.random.uniform(key, (shape[0],)) * (hi - lo) + lo)
+    dt = jnp.maximum(dt, floor)
+    return dt + jnp.log(-jnp.expm1(-dt))
+
+
+def _a_log(key, shape, c):
+    """Mamba-1: log(1..n) per channel; Mamba-2: log U(1, 16) per head."""
+    if c.version == 1:
+        return jnp.log(jnp.broadcast_to(jnp.arange(1, c.d_state + 1, dtype=jnp.float32), shape))
+    return jnp.log(jax.random.uniform(key, shape, minval=1.0, maxval=16.0))
+
+
+def _ones(key, shape, c):
+    del key, c
+    return jnp.ones(shape)
+
+
+# the Mamba mixers' initialisers beyond the generic fan-in rules (latim_jax.model.init)
+MAMBA_INIT = {
+    "conv_w": _conv_uniform, "conv_b": _conv_uniform, "dt_bias": _dt_bias, "A_log": _a_log, "D": _ones,
+    "norm_w": _ones, "dt_norm_w": _ones, "B_norm_w": _ones, "C_norm_w": _ones,
+}  # fmt: skip
+
+
+def mamba_memory(c, b: int, length: int, rows: int, cols: int) -> int:
+    """Bytes of one Mamba layer while decomposed (fp32): its factors (K + 3) b l e + 3 b l c + 2 b l g n
+    + 5 b l d (c = e for Mamba-1, heads for Mamba-2) and in_proj's output, the scan's working set
+    (Mamba-1: chunk x e x n per prompt; Mamba-2: its chunked SSD) and a score tile's working set
+    (rows x cols x (e + d); Mamba-1 also its decay factors, (rows + cols) x e x n)."""
+    e, d, n, K, L = c.d_inner, c.d_model, c.d_state, c.d_conv, length
+    chans = e if c.version == 1 else c.n_heads
+    groups = 1 if c.version == 1 else c.n_groups
+    in_width = 2 * e if c.version == 1 else 2 * e + 2 * groups * n + c.n_heads
+    factors = ((K + 3) * b * L * e + 3 * b * L * chans + 2 * b * L * groups * n + 5 * b * L * d) * 4
+    factors += b * L * in_width * 4
+    if c.version == 1:
+        scan = 3 * b * min(L, 256) * e * n * 4
+        work = b * (rows * cols * (4 * e + d) + (rows + cols) * e * n) * 4
+    else:
+        q = min(c.chunk_size, L)
+        scan = b * (L // max(q, 1) + 1) * (c.n_heads * c.head_dim * n + q * q * c.n_heads) * 4
+        work = b * rows * cols * (2 * e + d + chans) * 4
+    return factors + scan + work
+
+
+def _mamba_kind(module, version: int) -> LayerKind:
+    return LayerKind(
+        name=module.kind, display=f"Mamba-{version}", module=module, shapes=mamba_shapes,
+        output_params=("out_proj", "out_proj_b"), init=MAMBA_INIT, channel_axis=CHANNEL_AXIS,
+        memory=mamba_memory, version=version, folds_norm=True,
+    )  # fmt: skip
+
+
+MAMBA1 = _mamba_kind(Mamba1Mixer, 1)
+MAMBA2 = _mamba_kind(Mamba2Mixer, 2)

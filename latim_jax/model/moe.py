@@ -24,8 +24,9 @@ import jax
 import jax.numpy as jnp
 
 from latim_jax.kernels import f32
+from latim_jax.model.kind import LayerKind
 from latim_jax.model.layers import linear
-from latim_jax.model.mlp import TokenwiseModule, mlp
+from latim_jax.model.mlp import MLP_ACTIVATIONS, TokenwiseModule, mlp, tokenwise_memory
 from latim_jax.parallel.context import XLA, Context
 
 ROUTERS = ("softmax_topk", "sigmoid_groups")
@@ -87,3 +88,67 @@ class MoEMixer(TokenwiseModule):
             out = out + mlp(x, act, g("shared_up"), g("shared_down"), g("shared_gate"), g("shared_up_b"),
                             g("shared_down_b"), g("shared_gate_b"))  # fmt: skip
         return out
+
+
+def moe_shapes(c) -> dict[str, tuple[int, ...]]:
+    """A mixture-of-experts sublayer's parameters: router (d, E) (router_bias (E,) for sigmoid_groups:
+    the correction added for the choice only), experts_up (E, d', f), experts_gate (E, d', f) when gated,
+    experts_down (E, f, d') with d' = d, or d' = moe_latent with latent_in (d, d') before the experts and
+    latent_out (d', d) after their weighted sum (biases latent_in_b, latent_out_b when ``mlp_bias``); the
+    shared expert shared_up (d, s), shared_gate, shared_down (s, d) and their biases when ``mlp_bias``."""
+    d, E, f, s = c.d_model, c.moe_experts, c.moe_width, c.moe_shared_width
+    lat = c.moe_latent or d
+    out = {"router": (d, E), "experts_up": (E, lat, f), "experts_down": (E, f, lat)}
+    if c.moe_latent:
+        out.update(latent_in=(d, lat), latent_out=(lat, d))
+        if c.mlp_bias:
+            out.update(latent_in_b=(lat,), latent_out_b=(d,))
+    if c.moe_router == "sigmoid_groups":
+        out["router_bias"] = (E,)
+    if c.mlp_gated:
+        out["experts_gate"] = (E, lat, f)
+    if s:
+        out.update(shared_up=(d, s), shared_down=(s, d))
+        if c.mlp_gated:
+            out["shared_gate"] = (d, s)
+        if c.mlp_bias:
+            out.update(shared_up_b=(s,), shared_down_b=(d,))
+            if c.mlp_gated:
+                out["shared_gate_b"] = (s,)
+    return out
+
+
+def check_moe(c) -> None:
+    """The config fields a mixture-of-experts sublayer reads: positive expert count, top k and width, a
+    latent width >= 0, a known router (sigmoid_groups: experts in groups of at least 2, 1 <= kept
+    groups <= groups) and MLP activation."""
+    for name in ("moe_experts", "moe_top_k", "moe_width"):
+        value = getattr(c, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"MambaConfig.{name} must be a positive int for MoE layers, found {value!r}")
+    latent = c.moe_latent
+    if isinstance(latent, bool) or not isinstance(latent, int) or latent < 0:
+        raise ValueError(f"MambaConfig.moe_latent must be an int >= 0 (0: none), found {latent!r}")
+    routers = ("softmax_topk", "softmax_all", "sigmoid_groups")
+    if c.moe_top_k > c.moe_experts or c.moe_router not in routers:
+        raise ValueError(
+            f"MambaConfig: moe_top_k {c.moe_top_k} of {c.moe_experts} experts, router {c.moe_router!r} "
+            f"(one of {routers})"
+        )
+    if c.moe_router == "sigmoid_groups" and (
+        c.moe_experts % c.moe_groups or c.moe_experts // c.moe_groups < 2
+        or not 1 <= c.moe_topk_groups <= c.moe_groups
+    ):  # fmt: skip
+        raise ValueError(
+            f"MambaConfig: {c.moe_experts} experts in {c.moe_groups} groups (at least 2 each), "
+            f"{c.moe_topk_groups} groups kept"
+        )
+    if c.mlp_activation not in MLP_ACTIVATIONS:
+        raise ValueError(f"MambaConfig.mlp_activation must be one of {tuple(MLP_ACTIVATIONS)}")
+
+
+MOE = LayerKind(
+    name="moe", display="MoE", module=MoEMixer, shapes=moe_shapes,
+    output_params=("experts_down", "shared_down", "shared_down_b"),  # latent MoE: latent_out(_b) instead
+    check=check_moe, memory=tokenwise_memory(lambda c: c.moe_width + c.moe_shared_width + c.moe_experts),
+)  # fmt: skip

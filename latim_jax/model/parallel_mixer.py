@@ -11,8 +11,9 @@ input, keys and output) are constants folded into the two halves' weights when t
 
 from __future__ import annotations
 
-from latim_jax.model.attention import AttentionMixer
-from latim_jax.model.mixers import Mamba2Mixer
+from latim_jax.model.attention import ATTENTION, AttentionMixer
+from latim_jax.model.kind import LayerKind
+from latim_jax.model.mixers import MAMBA2, Mamba2Mixer
 from latim_jax.model.params import ComposedModule
 from latim_jax.parallel.context import XLA, Context
 
@@ -42,3 +43,17 @@ class ParallelMixer(ComposedModule):
         o_s, c_s = self.ssm.step(x_t, cache[0], valid)
         o_a, c_a = self.attn.step(x_t, cache[1], valid)
         return o_s + o_a, (c_s, c_a)
+
+
+def parallel_memory(c, b: int, length: int, rows: int, cols: int) -> int:
+    """Both halves' factors are held at once: the Mamba-2 layer's bytes plus the attention's."""
+    return MAMBA2.memory(c, b, length, rows, cols) + ATTENTION.memory(c, b, length, rows, cols)
+
+
+PARALLEL = LayerKind(
+    name="parallel", display="Mamba-2 + attention", module=ParallelMixer,
+    shapes=lambda c: {**MAMBA2.shapes(c), **ATTENTION.shapes(c)},
+    output_params=MAMBA2.output_params + ATTENTION.output_params, check=ATTENTION.check,
+    init=MAMBA2.init, channel_axis=MAMBA2.channel_axis, memory=parallel_memory, version=2,
+    holds_attention=True,
+)  # fmt: skip

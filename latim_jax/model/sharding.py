@@ -1,7 +1,7 @@
 """The model's parameter layout on a device mesh, and the execution context of a call on it.
 
 :func:`shard` splits each mixer parameter over the mesh's "model" axis along its inner-channel / head
-axis (the mixers' ``CHANNEL_AXIS`` table; a dimension the axis size does not divide stays whole), a
+axis (its kind's ``LayerKind.channel_axis`` table; a dimension the axis size does not divide stays whole), a
 Mamba layer's in_proj and conv first reordered so that each shard's column block holds the matching
 slice of every part (:mod:`latim_jax.model.channel_layout`: the layer's channels stay on their shard
 from in_proj to out_proj, whose sums are the forward's one all-reduce per layer), the
@@ -17,17 +17,18 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from latim_jax.model.channel_layout import fits
-from latim_jax.model.mixers import CHANNEL_AXIS, Mamba1Mixer, Mamba2Mixer
+from latim_jax.model.kind import kind_of
+from latim_jax.model.mixers import Mamba1Mixer, Mamba2Mixer
 from latim_jax.parallel.context import Context, resolve
 from latim_jax.parallel.mesh import MODEL, P, check_mesh
 
 MAMBA_MIXERS = (Mamba1Mixer, Mamba2Mixer)
 
 
-def param_spec(name: str, shape: tuple[int, ...], model_size: int) -> P:
-    """The PartitionSpec of one mixer parameter: its channel axis on "model" when divisible, else
-    replicated (a model axis that does not divide a dimension leaves that parameter whole)."""
-    axis = CHANNEL_AXIS.get(name)
+def param_spec(axis: int | None, shape: tuple[int, ...], model_size: int) -> P:
+    """The PartitionSpec of one mixer parameter whose channel axis is ``axis`` (None: none, from its
+    kind's ``channel_axis``): that axis on "model" when divisible, else replicated (a model axis that
+    does not divide a dimension leaves that parameter whole)."""
     if axis is None or model_size <= 1 or shape[axis] % model_size:
         return P()
     spec = [None] * len(shape)
@@ -59,9 +60,10 @@ def shard(model, mesh: Mesh):
         mixer, ssm = block.mixer, _mamba(block)
         if ssm is not None:  # in_proj and the conv in shard-matched column blocks
             ssm.lay_out(_shards(model, ssm, m))
+        axes = kind_of(block.kind).channel_axis
         for name in mixer.param_names():  # the held values: no read-back to the checkpoint's order
             param = mixer.param(name)
-            put(param, param_spec(name, param[...].shape, m))
+            put(param, param_spec(axes.get(name), param[...].shape, m))
         put(block.norm, P())
     for name in ("embedding", "lm_head"):
         param = getattr(model, name, None)

@@ -18,10 +18,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from latim_jax.kernels import f32
-from latim_jax.model.attention import AttentionMixer
+from latim_jax.model.attention import ATTENTION, AttentionMixer
+from latim_jax.model.kind import LayerKind
 from latim_jax.model.layers import linear, rms_norm
-from latim_jax.model.mixers import Mamba2Mixer
-from latim_jax.model.mlp import MLPMixer
+from latim_jax.model.mixers import MAMBA2, Mamba2Mixer
+from latim_jax.model.mlp import MLP, MLPMixer
 from latim_jax.model.params import ComposedModule
 from latim_jax.parallel.context import XLA, Context
 
@@ -71,3 +72,51 @@ class SharedBlockMixer(ComposedModule):
         x = self.attn_input(h_t[:, None], e_t[:, None])[:, 0]
         a, cache = self.attn.step(x, cache, valid)
         return self.feed_forward(a[:, None])[:, 0], cache
+
+
+def shared_block_shapes(c) -> dict[str, tuple[int, ...]]:
+    """A shared transformer block's parameters (Zamba2; one copy per sublayer, each with its own adapters
+    folded in): attn_norm (2d,) over [h; h^0], the attention's q_proj (2d, H a), k_proj and v_proj
+    (2d, G a), o_proj (H a, d), ff_norm (d,), the gated MLP's gate_proj, up_proj (d, f), down_proj (f, d),
+    and shared_out (d, d), the linear map into the Mamba-2's input; gate_b, up_b (f,), down_b (d,) when
+    ``mlp_bias``."""
+    d, a = c.d_model, c.attn_head_dim
+    out = {
+        "attn_norm": (2 * d,),
+        "q_proj": (2 * d, c.attn_heads * a),
+        "k_proj": (2 * d, c.attn_kv_heads * a),
+        "v_proj": (2 * d, c.attn_kv_heads * a),
+        "o_proj": (c.attn_heads * a, d),
+        "ff_norm": (d,),
+        "gate_proj": (d, c.mlp_width),
+        "up_proj": (d, c.mlp_width),
+        "down_proj": (c.mlp_width, d),
+        "shared_out": (d, d),
+    }
+    if c.mlp_bias:
+        out.update(gate_b=(c.mlp_width,), up_b=(c.mlp_width,), down_b=(d,))
+    return out
+
+
+def _check_shared(c) -> None:
+    """A shared block reads the attention's and the MLP's config fields."""
+    ATTENTION.check(c)
+    MLP.check(c)
+
+
+def shared_memory(c, b: int, length: int, rows: int, cols: int) -> int:
+    """The Mamba-2's and the attention's factors, the MLP's hidden activations, and a source block's two
+    hops: its share of every position's input, (l, 32 sources, .)."""
+    L, d, e = length, c.d_model, c.d_inner
+    hops = b * L * min(32, L) * (3 * d + c.mlp_width + 5 * e + 2 * c.attn_heads * c.attn_head_dim) * 4
+    own = MAMBA2.memory(c, b, L, rows, cols) + ATTENTION.memory(c, b, L, rows, cols)
+    return own + b * L * c.mlp_width * 2 * 4 + hops
+
+
+SHARED = LayerKind(
+    name="shared", display="shared block + Mamba-2", module=SharedBlockMixer,
+    shapes=lambda c: {**MAMBA2.shapes(c), **shared_block_shapes(c)},
+    output_params=MAMBA2.output_params,  # the block's output reaches the stream only through the SSM
+    check=_check_shared, init=MAMBA2.init, channel_axis=MAMBA2.channel_axis, memory=shared_memory,
+    version=2, holds_attention=True, reads_embeddings=True,
+)  # fmt: skip

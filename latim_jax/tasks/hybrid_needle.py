@@ -16,7 +16,7 @@ import numpy as np
 
 from latim_jax.kernels.block_sizes import Blocks
 from latim_jax.latim.attribution import attribute
-from latim_jax.model.config import KIND_NAMES, OUTPUT_PARAMS
+from latim_jax.model.kind import display_name, kind_of
 from latim_jax.model.lm import MambaLM
 from latim_jax.tasks import registry
 from latim_jax.tasks.evaluate_needle import LENGTHS, SETTINGS, _gold, _score, held_out, retrieval_accuracy
@@ -28,7 +28,7 @@ def ablate(model, kinds=("attention",)) -> MambaLM:
     params = model.params()
     for kind, layer in zip(model.config.kinds, params["layers"], strict=True):
         if kind in kinds:
-            for name in OUTPUT_PARAMS[kind]:
+            for name in kind_of(kind).output_params:
                 if name in layer["mixer"]:
                     layer["mixer"][name] = np.zeros_like(np.asarray(layer["mixer"][name]))
     out = MambaLM(model.config, params)
@@ -92,7 +92,7 @@ def format_report(report: dict) -> str:
     kinds = report["kinds"]
     lines = [
         f"Task needle ({report['n_sequences']} held-out sequences per cell, seed {report['seed']}), hybrid "
-        f"model {report['model']!r} ({', '.join(KIND_NAMES[k] for k in kinds)}), trained at length "
+        f"model {report['model']!r} ({', '.join(display_name(k) for k in kinds)}), trained at length "
         f"{report['task']['length']}",
     ]
     for e in report["results"]:
@@ -108,7 +108,7 @@ def format_report(report: dict) -> str:
         ]
         for k, (a, b) in enumerate(zip(full["layers"], abl["layers"], strict=True)):
             lines.append(
-                f"| {k} | {KIND_NAMES[a['kind']]} | {a['l2_auc']:.3f} | {a['logit_auc']:.3f} | "
+                f"| {k} | {display_name(a['kind'])} | {a['l2_auc']:.3f} | {a['logit_auc']:.3f} | "
                 f"{a['gold_logit']:+.2f} | {b['l2_auc']:.3f} | {b['logit_auc']:.3f} | "
                 f"{b['gold_logit']:+.2f} |"
             )
