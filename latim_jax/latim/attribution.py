@@ -212,7 +212,7 @@ def attribute(
             layers=None if req.layers == tuple(range(model.config.n_layers)) else len(req.layers),
             top_k=top_k, out_dtype=out_dtype, stream=stream_to is not None, blocks=blocks,
         )  # fmt: skip
-    targets = check_targets(target, x.batch, x.length, model.config.n_tokens)
+    targets = check_targets(target, x.batch, x.length, model.config.n_tokens, padded=x.h.shape[1])
     result = _run(model, x, req, ctx, targets)
     if not is_traced(x.h):  # never inside a user's transformation
         bound_compiled_programs()
@@ -220,16 +220,20 @@ def attribute(
 
 
 def _run(model, x, req: Request, ctx: Context, targets) -> Attribution:
-    """Score the request's layers in one pass over the model (see :func:`attribute`)."""
-    job, n_real = req.job, x.length  # x may carry bucket padding past the caller's length
-    row_idx = jnp.arange(n_real) if req.rows is None else jnp.asarray(req.rows, jnp.int32)
-    # score_layer's rows: None for every row of the stream, known when tracing (a static schedule)
-    score_rows = None if req.rows is None and n_real == x.h.shape[1] else row_idx
-    if targets is not None:
-        targets = jnp.pad(targets, ((0, 0), (0, x.h.shape[1] - n_real)))  # any id at the extra positions
-        if ctx.mesh is not None:
-            size = ctx.axis_size(DATA)
-            targets = put(pad_batch(targets, size), ctx.mesh, P(DATA if size > 1 else None))
+    """Score the request's layers in one pass over the model (see :func:`attribute`).
+
+    Every array a program sees has the computed length ``x.h.shape[1]`` (the bucket's, with bucket
+    padding), never the caller's ``x.length``: with every row asked, all rows of the bucket are scored
+    (the padding rows are exactly 0) and the result is cut to the caller's length on the host at the
+    end (:func:`_cut`), so that the lengths of one bucket share every compiled program."""
+    job, n_real, computed = req.job, x.length, x.h.shape[1]  # x may carry bucket padding past n_real
+    if req.rows is None:  # every row of the computed length, known when tracing (a static schedule)
+        row_idx, score_rows = np.arange(computed), None
+    else:
+        row_idx = score_rows = jax.device_put(np.asarray(req.rows, np.int32))
+    if targets is not None and ctx.mesh is not None:
+        size = ctx.axis_size(DATA)
+        targets = put(pad_batch(targets, size), ctx.mesh, P(DATA if size > 1 else None))
     keep = (lambda a: a) if ctx.mesh is None else (lambda a: jax.tree.map(lambda v: v[: x.batch], gather(a)))
     extra, direction, streams, logit = {}, None, None, None
     if job.needs_final:  # a forward first, keeping every layer's input
@@ -238,16 +242,17 @@ def _run(model, x, req: Request, ctx: Context, targets) -> Attribution:
         extra["targets"] = targets
         if job.method == "logit":
             direction = _logit_direction(model, streams[-1], targets, hold_fixed=job.hold_fixed)
-    shape = (x.batch, len(req.layers), len(row_idx), n_real if req.top_k is None else req.top_k)
+    n_rows = n_real if req.rows is None else len(req.rows)  # the result's rows
+    shape = (x.batch, len(req.layers), n_rows, n_real if req.top_k is None else req.top_k)
     sink = StreamWriter(req.stream_to, shape, req.out_dtype) if req.stream_to is not None else None
     # None: a bar when stderr is a terminal and quiet mode is off (io.progress decides), for long work
     show = (
         req.progress
         if req.progress is not None
-        else (None if x.h.shape[1] >= 1024 and len(req.layers) > 1 else False)
+        else (None if computed >= 1024 and len(req.layers) > 1 else False)
     )
-    top_mask = keep(x.mask)[:, :n_real]  # the caller's length
-    done = {}  # layer -> (scores, extras), computed in increasing layer order
+    top_mask = keep(x.mask)  # the computed length: padding columns are never among a row's sources
+    done = {}  # layer -> (scores, extras), computed in increasing layer order, at the computed length
     h, at = x.h, 0  # the stream entering layer `at` (single pass)
     try:
         for layer in progress_bar(sorted(set(req.layers)), desc=f"{job.method} layers", enabled=show):
@@ -265,16 +270,15 @@ def _run(model, x, req: Request, ctx: Context, targets) -> Attribution:
             if job.with_next:
                 h, at = out.pop("next"), layer + 1
             out = keep(out)
-            s = out.pop("scores")[..., :n_real]
-            if "alti" in out:
-                out["alti"] = out["alti"][..., :n_real, :n_real]
+            s = out.pop("scores")  # (b, rows, computed): padding rows and columns are exactly 0
             _check_finite(s, job.method, layer)
             if req.top_k is not None:
                 s, out["sources"] = _top_k(s, req.top_k, row_idx, top_mask)
             s = s.astype(req.out_dtype)
             if sink is not None:
+                cut = np.asarray(s)[:, :n_rows, : shape[-1]]
                 for k in (k for k, x_ in enumerate(req.layers) if x_ == layer):
-                    sink.write(k, s)
+                    sink.write(k, cut)
                 s = None
             done[layer] = (s, out)
         result = _result(model, x, req, done, extra, streams, direction, logit, row_idx, keep)
@@ -289,8 +293,10 @@ def _run(model, x, req: Request, ctx: Context, targets) -> Attribution:
 
 
 def _result(model, x, req, done, extra, streams, direction, logit, row_idx, keep) -> Attribution:
-    """The Attribution of a finished pass: scores stacked in the asked layer order, extras gathered."""
+    """The Attribution of a finished pass: scores stacked in the asked layer order, extras gathered, then
+    cut from the computed length to the caller's (on the host: no program per caller's length)."""
     job, n_real = req.job, x.length
+    n_rows = n_real if req.rows is None else len(req.rows)
     per_layer = [done[layer][1] for layer in req.layers]
     rows_valid = x.mask[:, row_idx]
     if job.method == "logit":
@@ -306,19 +312,27 @@ def _result(model, x, req, done, extra, streams, direction, logit, row_idx, keep
     if req.top_k is not None:
         extra["sources"] = jnp.stack([p["sources"] for p in per_layer], 1)
     extra = {k: (keep(v) if k in ("targets", "direct", "logit") else v) for k, v in extra.items()}
-    if "targets" in extra:
-        extra["targets"] = extra["targets"][:, :n_real]
-    tokens = None if x.tokens is None else keep(x.tokens)[:, :n_real]
+    # the caller's lengths of each extra's last axes: positions (targets), rows (direct, logit, bias),
+    # rows x sources (sources), positions x positions (alti)
+    lengths = {"targets": (n_real,), "direct": (n_rows,), "logit": (n_rows,), "bias": (n_rows,),
+               "sources": (n_rows, req.top_k), "alti": (n_real, n_real)}  # fmt: skip
+    extra = {k: _cut(v, lengths.get(k, ())) for k, v in extra.items()}
+    scores = None
+    if req.stream_to is None:
+        scores = _cut(
+            jnp.stack([done[layer][0] for layer in req.layers], 1),
+            (n_rows, n_real if req.top_k is None else req.top_k),
+        )
     return Attribution(
-        scores=None if req.stream_to is not None else jnp.stack([done[layer][0] for layer in req.layers], 1),
-        tokens=tokens,
+        scores=scores,
+        tokens=None if x.tokens is None else _cut(keep(x.tokens), (n_real,)),
         extra=extra,
         method=job.method,
         mode=job.mode,
         layers=req.layers,
         rows=req.rows,
         model=getattr(model, "source", None) or "",
-        mask=keep(x.mask)[:, :n_real] if _keeps_mask(x) else None,
+        mask=_cut(keep(x.mask), (n_real,)) if _keeps_mask(x) else None,
         aggregation=job.aggregation if job.method == "hidden_attention" else None,
         top_k=req.top_k,
         precision=output_precision(job),
@@ -327,12 +341,24 @@ def _result(model, x, req, done, extra, streams, direction, logit, row_idx, keep
     )
 
 
+def _cut(a, last: tuple[int, ...]):
+    """``a`` with its last ``len(last)`` axes cut to the lengths ``last`` (from the bucket's length to
+    the caller's). An array that already has them is returned as it is; a concrete one is cut on the
+    host and placed back with ``jax.device_put``, because an eager slice compiles one program per result
+    shape, i.e. per caller's length; a traced one (concrete tokens under the caller's ``jax.grad`` of
+    the parameters are still bucketed) is sliced in the caller's program."""
+    if not last or tuple(a.shape[a.ndim - len(last) :]) == tuple(last):
+        return a
+    index = (slice(None),) * (a.ndim - len(last)) + tuple(slice(0, n) for n in last)
+    return a[index] if is_traced(a) else jax.device_put(np.asarray(a)[index])
+
+
 def _keeps_mask(x) -> bool:
     """Whether the result records a mask: the caller passed one that marks padding (a mask of all-valid
     positions, like no mask, is not recorded; under a transformation it is kept as given)."""
     if not x.given_mask:
         return False
-    return is_traced(x.mask) or not bool(jnp.all(x.mask[: x.batch, : x.length]))
+    return is_traced(x.mask) or not np.asarray(x.mask)[: x.batch, : x.length].all()
 
 
 def _check_finite(s, method, layer) -> None:

@@ -12,6 +12,7 @@ import dataclasses
 import os
 import warnings
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -128,10 +129,15 @@ def request(
     )  # fmt: skip
 
 
-def check_targets(target, batch: int, length: int, vocab: int):
-    """Target vocabulary entries (b, l) int32, validated before any cast (concrete values only), or None."""
+def check_targets(target, batch: int, length: int, vocab: int, padded: int | None = None):
+    """Target vocabulary entries (b, l) int32, validated before any cast (concrete values only), or None.
+
+    ``padded``: the computed length (>= ``length``, with bucket padding): the targets are right-padded
+    to it (any id serves at padding positions; 0 is used). Concrete targets are built and padded on the
+    host and placed with ``jax.device_put``, so that no program is compiled for the caller's length."""
     if target is None:
         return None
+    padded = length if padded is None else padded
     if is_traced(target):
         t = target
     else:
@@ -143,12 +149,14 @@ def check_targets(target, batch: int, length: int, vocab: int):
         if t.size and (int(t.min()) < 0 or int(t.max()) >= vocab):
             raise ValueError(f"target ids must lie in [0, {vocab}), found min {t.min()} max {t.max()}")
     if t.ndim == 0:
-        t = jnp.full((batch, length), t, jnp.int32)
+        t = jnp.full((batch, length), t, jnp.int32) if is_traced(t) else np.full((batch, length), t, np.int32)
     if tuple(t.shape) != (batch, length) or not jnp.issubdtype(t.dtype, jnp.integer):
         raise ValueError(
             f"target must be an int or int ids of shape {(batch, length)}, found {t.dtype} {tuple(t.shape)}"
         )
-    return jnp.asarray(t).astype(jnp.int32)
+    if is_traced(t):
+        return jnp.pad(t.astype(jnp.int32), ((0, 0), (0, padded - length)))
+    return jax.device_put(np.pad(t.astype(np.int32), ((0, 0), (0, padded - length))))
 
 
 def _warn_minmax_subset(model, job: LayerJob, row_list, length: int) -> None:

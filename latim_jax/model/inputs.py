@@ -42,7 +42,7 @@ def check_tokens(tokens, vocab_size: int) -> jax.Array:
     lo, hi = int(t.min()), int(t.max())
     if lo < 0 or hi >= vocab_size:
         raise ValueError(f"token ids must lie in [0, {vocab_size}), found min {lo} max {hi}")
-    return jnp.asarray(t.astype(np.int32))
+    return jax.device_put(t.astype(np.int32))  # not jnp.asarray: that compiles a program per shape
 
 
 def traced_invalid(ids, mask, vocab_size: int) -> jax.Array | None:
@@ -74,17 +74,20 @@ def _check_token_shape(shape, dtype) -> None:
 
 
 def check_embeds(inputs_embeds, d_model: int) -> jax.Array:
-    """inputs_embeds (b, l, d_model) float -> fp32 jax array (finite when concrete)."""
-    e = inputs_embeds if is_traced(inputs_embeds) else jnp.asarray(inputs_embeds)
+    """inputs_embeds (b, l, d_model) float -> fp32 jax array (finite when concrete; concrete values are
+    checked and cast on the host, so that no program is compiled for their length)."""
+    e = inputs_embeds if is_traced(inputs_embeds) else np.asarray(inputs_embeds)
     if e.ndim != 3 or e.shape[-1] != d_model:
         raise ValueError(f"inputs_embeds must have shape (batch, length, {d_model}), found {tuple(e.shape)}")
     if not jnp.issubdtype(e.dtype, jnp.floating):
         raise ValueError(f"inputs_embeds must be floating point, found dtype {e.dtype}")
     if e.shape[0] < 1 or e.shape[1] < 1:
         raise ValueError(f"inputs_embeds hold no prompt or no position: shape {tuple(e.shape)}")
-    if not is_traced(e) and not np.isfinite(np.asarray(e)).all():  # numpy: no staging inside a jit trace
+    if is_traced(e):
+        return e.astype(jnp.float32)
+    if not np.isfinite(e).all():
         raise ValueError("inputs_embeds hold NaN or inf")
-    return e.astype(jnp.float32)
+    return jax.device_put(e.astype(np.float32))
 
 
 def check_mask(mask, batch: int, length: int) -> jax.Array:
@@ -95,8 +98,8 @@ def check_mask(mask, batch: int, length: int) -> jax.Array:
     and one contiguous valid run per row (left and/or right padding; a hole is refused, with the row
     and positions named).
     """
-    if mask is None:
-        return jnp.ones((batch, length), bool)
+    if mask is None:  # built on the host: jnp.ones would compile a program per length
+        return jax.device_put(np.ones((batch, length), bool))
     if is_traced(mask):
         if tuple(mask.shape) != (batch, length):
             raise ValueError(f"mask must have shape (batch, length) = {(batch, length)}, found {mask.shape}")
@@ -118,7 +121,7 @@ def check_mask(mask, batch: int, length: int) -> jax.Array:
                 f"mask row {b} has a hole at position(s) {holes[:8].tolist()}: valid positions must be one "
                 "contiguous run (padding on the left and/or right only)"
             )
-    return jnp.asarray(m)
+    return jax.device_put(m)
 
 
 def bucket_length(length: int) -> int:
@@ -133,14 +136,20 @@ def bucket_pad(x, mask):
     """(x, mask) right-padded along axis 1 to :func:`bucket_length` of their length, the mask marking
     the added positions as padding (exact: padding is skipped by construction). ``x``: validated ids
     (b, l) or embeddings (b, l, d); ``mask`` (b, l) bool. Traced inputs are returned as they are (their
-    program is the caller's)."""
+    program is the caller's).
+
+    The padding is done on the host and the results placed with ``jax.device_put``: an eager ``jnp.pad``
+    would compile one program per unpadded length, which is what buckets are there to avoid."""
     if is_traced(x) or is_traced(mask):
         return x, mask
     extra = bucket_length(x.shape[1]) - x.shape[1]
     if extra == 0:
         return x, mask
     widths = [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2)
-    return jnp.pad(x, widths), jnp.pad(mask, ((0, 0), (0, extra)))
+    return (
+        jax.device_put(np.pad(np.asarray(x), widths)),
+        jax.device_put(np.pad(np.asarray(mask), ((0, 0), (0, extra)))),
+    )
 
 
 def check_layers(layers, n_layers: int) -> tuple[int, ...]:
