@@ -4,7 +4,13 @@ Input: a .jsonl file, one object per line, ``{"id": ..., "text": "..."}`` (needs
 tokenizer) or ``{"id": ..., "tokens": [ints]}``; or any other file read as plain text, one prompt per
 line, whose id is its line number (1-based). A bad line (not JSON, empty, no or both of text/tokens,
 a repeated id, too long, ids outside the vocabulary) is reported with its line number and skipped
-(``on_bad_line="skip"``) or ends the run (``"fail"``) before anything is computed.
+(``on_bad_line="skip"``) or ends the run (``"fail"``, the default): the whole file is read first and
+one error lists every bad line (the first :data:`MAX_REPORTED`, then how many more), before anything
+is computed.
+
+Ids: a JSON id is a string or an int, and results are keyed by its text (``open_results(out)["7"]``;
+``results[7]`` finds it too). An int id and a string id of the same text (``7`` and ``"7"``) would be
+one key, so the later line is a bad line naming both (ints and strings mix freely otherwise).
 
 Output directory:
     run.json                  the run's settings (model, method, mode, layers, rows, ...), written first;
@@ -14,7 +20,9 @@ Output directory:
                               so two inputs never mix in one directory
     shard-P-NNNNNN.npz        one batch of prompts, written atomically (never a half file), holding per
                               prompt its scores (n_layers, R, L_i) at its own length L_i, its tokens and
-                              the extras; its JSON index lists the ids it holds
+                              the extras; its JSON index lists the ids it holds and each one's rows
+                              (``prompt_rows``: positions counted from 0, so ``rows="last"`` is
+                              ``[L_i - 1]`` per prompt, as :func:`latim_jax.attribute` resolves ``-1``)
 A rerun of the same command after an interruption reads the ids already in complete shards and
 computes only the missing prompts, so every prompt ends up exactly once. Under several jax processes
 (``jax.distributed``) process P takes every P-th prompt (by input order) and writes shard-P-*.
@@ -53,10 +61,18 @@ RUN_FILE = "run.json"
 PROMPTS_FILE = "prompts.json"
 FORMAT = "latim-jax-dataset/1"
 PROMPTS_FORMAT = "latim-jax-prompts/1"
+MAX_REPORTED = 20  # bad lines listed in one error (all of them are in DatasetError.bad_lines)
 
 
 class DatasetError(ValueError):
-    """A problem with the input file or the output directory (message names the file and line)."""
+    """A problem with the input file or the output directory (message names the file and line).
+
+    ``bad_lines``: for the input's bad lines, every ``(line number, what is wrong)`` (the message lists
+    at most :data:`MAX_REPORTED` of them); empty for other problems."""
+
+    def __init__(self, message: str, bad_lines=()):
+        super().__init__(message)
+        self.bad_lines: list[tuple[int, str]] = list(bad_lines)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,35 +100,69 @@ def read_prompts(
 ) -> list[Prompt]:
     """Read prompts from ``path`` (see the module docstring). ``tokenize(text) -> list[int]`` turns
     text into ids (None: text lines are an error naming the missing tokenizer). ``warn(message)`` is
-    called for each skipped line. Raises :class:`DatasetError` on the first bad line when
-    ``on_bad_line="fail"``."""
+    called for each skipped line (``on_bad_line="skip"``). With ``on_bad_line="fail"`` every line is
+    read, then one :class:`DatasetError` names every bad line (its ``bad_lines`` holds them all; the
+    message the first :data:`MAX_REPORTED`)."""
     if on_bad_line not in ("skip", "fail"):
         raise DatasetError(f"on_bad_line must be 'skip' or 'fail', found {on_bad_line!r}")
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"{path}: no such input file")
     jsonl = path.suffix == ".jsonl"
-    prompts, seen = [], set()
+    prompts, bad = [], []
+    seen: dict[str, tuple[object, int]] = {}  # id text -> (the id as given, its line)
     with path.open(encoding="utf-8") as fh:
         for number, raw in enumerate(fh, start=1):
             try:
-                prompt = _parse_line(raw, number, jsonl, tokenize, vocab_size, max_length)
-                if prompt.id in seen:
-                    raise DatasetError(f"repeated id {prompt.id!r}")
-                seen.add(prompt.id)
+                prompt, given = _parse_line(raw, number, jsonl, tokenize, vocab_size, max_length)
+                _check_new_id(prompt.id, given, seen)
+                seen[prompt.id] = (given, number)
                 prompts.append(prompt)
             except DatasetError as err:
-                message = f"{path}:{number}: {err}"
-                if on_bad_line == "fail":
-                    raise DatasetError(message + " (pass --on-bad-line skip to skip bad lines)") from None
-                if warn is not None:
-                    warn(f"skipped {message}")
+                bad.append((number, str(err)))
+                if on_bad_line == "skip" and warn is not None:
+                    warn(f"skipped {path}:{number}: {err}")
+    if bad and on_bad_line == "fail":
+        raise DatasetError(_bad_lines_message(path, bad), bad_lines=bad)
     if not prompts:
         raise DatasetError(f"{path}: no prompt to attribute")
     return prompts
 
 
-def _parse_line(raw: str, number: int, jsonl: bool, tokenize, vocab_size: int, max_length) -> Prompt:
+def _check_new_id(pid: str, given, seen: dict) -> None:
+    """Refuse an id whose text an earlier line already holds: the same id repeated, or an int and a
+    string of the same text (one key of the results)."""
+    if pid not in seen:
+        return
+    first, line = seen[pid]
+    if type(first) is type(given):
+        raise DatasetError(f"repeated id {pid!r} (first on line {line})")
+    raise DatasetError(
+        f"id {_typed(given)} and id {_typed(first)} on line {line} are one id: results are keyed by "
+        "the id's text, so an int id and a string id must differ in their text"
+    )
+
+
+def _typed(pid) -> str:
+    return f"the int {pid}" if isinstance(pid, int) else f"the string {pid!r}"
+
+
+def _bad_lines_message(path: Path, bad: list[tuple[int, str]]) -> str:
+    """One error for every bad line: ``path:line: what`` for one, else the count and a bounded list."""
+    hint = "pass --on-bad-line skip to skip bad lines"
+    if len(bad) == 1:
+        number, what = bad[0]
+        return f"{path}:{number}: {what} ({hint})"
+    listed = "; ".join(f"line {number}: {what}" for number, what in bad[:MAX_REPORTED])
+    more = f"; and {len(bad) - MAX_REPORTED} more" if len(bad) > MAX_REPORTED else ""
+    return f"{path}: {len(bad)} bad lines, nothing computed ({hint}): {listed}{more}"
+
+
+def _parse_line(
+    raw: str, number: int, jsonl: bool, tokenize, vocab_size: int, max_length
+) -> tuple[Prompt, object]:
+    """The prompt of one input line and its id as given (an int, a string, or the line number's text
+    for a text file); raises :class:`DatasetError` saying what is wrong with the line."""
     text = raw.rstrip("\n")
     if not text.strip():
         raise DatasetError("empty line")
@@ -136,9 +186,10 @@ def _parse_line(raw: str, number: int, jsonl: bool, tokenize, vocab_size: int, m
                 raise DatasetError('"tokens" must be a list of ints')
         else:
             ids = _tokenize(record["text"], tokenize)
-        pid = str(pid)
+        given, pid = pid, str(pid)
     else:
         pid, ids = str(number), _tokenize(text, tokenize)
+        given = pid
     if not ids:
         raise DatasetError("the prompt has no token")
     if max_length is not None and len(ids) > max_length:
@@ -146,7 +197,7 @@ def _parse_line(raw: str, number: int, jsonl: bool, tokenize, vocab_size: int, m
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
         raise DatasetError(f"token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
-    return Prompt(id=pid, tokens=tuple(int(t) for t in ids), line=number)
+    return Prompt(id=pid, tokens=tuple(int(t) for t in ids), line=number), given
 
 
 def _tokenize(text, tokenize):
@@ -269,10 +320,19 @@ def _check_input(out: Path, prompts: list[Prompt], done: set[str]) -> None:
         write_bytes_atomic(path, (json.dumps(_manifest(prompts)) + "\n").encode())
 
 
+def prompt_rows(rows, length: int) -> list[int] | None:
+    """The rows of one prompt of ``length`` tokens as positions from 0 (None: every row): a negative
+    row counts back from the prompt's last token, as :func:`latim_jax.attribute` resolves it."""
+    return None if rows is None else [int(r) + length if r < 0 else int(r) for r in rows]
+
+
 def write_shard(out_dir, process: int, number: int, prompts: list[Prompt], result: Attribution) -> Path:
-    """Write one batch's results atomically: per prompt its own-length scores, tokens and extras."""
+    """Write one batch's results atomically: per prompt its own-length scores, tokens and extras, and
+    in the index its rows as positions (``prompt_rows``; the batch's ``result.rows`` may count back
+    from each prompt's end, ``(-1,)`` for ``rows="last"``)."""
     index = {
         "ids": [],
+        "prompt_rows": [],
         "method": result.method,
         "mode": result.mode,
         "layers": list(result.layers),
@@ -290,6 +350,7 @@ def write_shard(out_dir, process: int, number: int, prompts: list[Prompt], resul
         n = len(prompt.tokens)
         key = f"p{b}"
         index["ids"].append(prompt.id)
+        index["prompt_rows"].append(prompt_rows(result.rows, n))
         s = scores[b][..., :n]
         arrays[f"{key}/scores"] = s if result.rows is not None else s[:, :n]
         arrays[f"{key}/tokens"] = np.asarray(prompt.tokens, np.int32)
@@ -366,6 +427,11 @@ class Results(Mapping):
         with np.load(shard, allow_pickle=False) as z:
             index = json.loads(bytes(z["index"]).decode())
             key = f"p{b}"
+            tokens = z[f"{key}/tokens"]
+            if "prompt_rows" in index:
+                rows = index["prompt_rows"][b]
+            else:  # a shard written before the field: its batch's rows, -1 for each one's last
+                rows = prompt_rows(index["rows"], len(tokens))
             extra = {
                 name.split("/", 2)[2]: jnp.asarray(z[name])[None]
                 for name in z.files
@@ -373,12 +439,12 @@ class Results(Mapping):
             }
             return Attribution(
                 scores=jnp.asarray(z[f"{key}/scores"])[None],
-                tokens=jnp.asarray(z[f"{key}/tokens"])[None],
+                tokens=jnp.asarray(tokens)[None],
                 extra=extra,
                 method=index["method"],
                 mode=index["mode"],
                 layers=tuple(index["layers"]),
-                rows=None if index["rows"] is None else tuple(index["rows"]),
+                rows=None if rows is None else tuple(rows),
                 model=index["model"],
                 aggregation=index["aggregation"],
                 precision=index.get("precision", "float32"),  # shards written before the field: fp32
@@ -397,6 +463,8 @@ class Results(Mapping):
 def open_results(out_dir) -> Results:
     """The results of ``latim-jax attribute-dataset`` (or :func:`attribute_dataset`) in ``out_dir``:
     a lazy mapping from prompt id (a string) to a one-prompt :class:`Attribution`, in input order.
+    Its ``rows`` are positions in the prompt (a ``rows="last"`` run: ``(L_i - 1,)``), as
+    :func:`latim_jax.attribute` returns them.
 
     An interrupted run opens with a warning naming how many prompts are missing (``Results.missing``;
     rerun the same command to finish it)."""
@@ -427,7 +495,8 @@ def attribute_dataset(
     progress: bool | None = None,
 ) -> dict:
     """Attribute every prompt into ``out_dir`` (see the module docstring), skipping the ids already
-    there. ``rows``: "all" or "last" (each prompt's own last token; stored with ``rows == (-1,)``).
+    there. ``rows``: "all" or "last" (each prompt's own last token: read back with ``rows == (L_i - 1,)``,
+    its position, as :func:`latim_jax.attribute` resolves ``rows=[-1]``).
     ``precision``: as for :func:`latim_jax.attribute` (part of the run's settings).
     ``progress``: a bar on stderr (None: when stderr is a terminal). Returns counts
     {"total", "done_before", "computed", "shards"}."""

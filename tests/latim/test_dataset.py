@@ -57,17 +57,65 @@ def test_bad_lines_are_named_by_line_and_skipped_or_fatal(tmp_path):
         json.dumps({"id": 7, "text": "the cat"}),
     ]
     path = write_lines(tmp_path / "p.jsonl", lines)
-    with pytest.raises(DatasetError, match=r"p.jsonl:2: not JSON .*--on-bad-line skip"):
-        read_prompts(path, vocab_size=16, max_length=8)
+    with pytest.raises(
+        DatasetError, match=r"p.jsonl: 7 bad lines.*--on-bad-line skip.*line 2: not JSON"
+    ) as err:
+        read_prompts(path, vocab_size=16, max_length=8)  # no tokenizer: line 8 is bad too
+    assert [n for n, _ in err.value.bad_lines] == [2, 3, 4, 5, 6, 7, 8]  # every one, not only the first
+    assert "line 8: text needs the model's tokenizer" in str(err.value)
     warnings = []
     prompts = read_prompts(
         path, vocab_size=16, max_length=8, on_bad_line="skip", warn=warnings.append, tokenize=lambda t: [1, 2]
     )
     assert [p.id for p in prompts] == ["a", "7"] and prompts[1].tokens == (1, 2) and prompts[1].line == 8
     assert [w.split(": ")[0].rsplit(":", 1)[1] for w in warnings] == ["2", "3", "4", "5", "6", "7"]
-    assert "repeated id 'a'" in warnings[3] and "outside the vocabulary" in warnings[4]
+    assert "repeated id 'a' (first on line 1)" in warnings[3] and "outside the vocabulary" in warnings[4]
     with pytest.raises(DatasetError, match="needs the model's tokenizer"):
         read_prompts(write_lines(tmp_path / "t.txt", ["the cat"]), vocab_size=16)
+
+
+def test_fail_reports_every_bad_line_at_once_bounded(tmp_path):
+    """on_bad_line="fail" reads the whole file first: one error lists every bad line (line number and
+    what is wrong), the first MAX_REPORTED of a long list and how many more; ``bad_lines`` holds all."""
+    from latim_jax.latim.dataset import MAX_REPORTED
+
+    good = json.dumps({"id": "ok", "tokens": [1]})
+    lines = [good] + [json.dumps({"id": f"b{k}", "tokens": [99]}) for k in range(13)]
+    with pytest.raises(DatasetError) as err:
+        read_prompts(write_lines(tmp_path / "p.jsonl", lines), vocab_size=16)
+    message = str(err.value)
+    assert message.startswith(f"{tmp_path / 'p.jsonl'}: 13 bad lines")
+    assert all(f"line {n}: token ids [99] outside the vocabulary [0, 16)" in message for n in range(2, 15))
+    assert "more" not in message and [n for n, _ in err.value.bad_lines] == list(range(2, 15))
+    many = [good] + ["{"] * (MAX_REPORTED + 7)
+    with pytest.raises(DatasetError) as err:
+        read_prompts(write_lines(tmp_path / "q.jsonl", many), vocab_size=16)
+    message = str(err.value)
+    assert f"{MAX_REPORTED + 7} bad lines" in message and "and 7 more" in message
+    assert f"line {MAX_REPORTED + 1}: not JSON" in message and f"line {MAX_REPORTED + 2}:" not in message
+    assert len(err.value.bad_lines) == MAX_REPORTED + 7
+    # one bad line reads as before: path:line: what
+    with pytest.raises(DatasetError, match=r"r.jsonl:2: empty line \(pass --on-bad-line skip"):
+        read_prompts(write_lines(tmp_path / "r.jsonl", [good, ""]), vocab_size=16)
+
+
+def test_an_int_id_and_a_string_id_of_the_same_text_are_refused(tmp_path):
+    """Results are keyed by the id's text (open_results(...)["7"]): an int 7 and a string "7" would be
+    one key, so the second is a bad line naming both lines and both types (not "repeated id")."""
+    lines = [
+        json.dumps({"id": 7, "tokens": [1]}),
+        json.dumps({"id": "x", "tokens": [2]}),  # int and string ids may mix when their texts differ
+        json.dumps({"id": "7", "tokens": [3]}),
+    ]
+    path = write_lines(tmp_path / "p.jsonl", lines)
+    with pytest.raises(DatasetError) as err:
+        read_prompts(path, vocab_size=16)
+    message = str(err.value)
+    assert "p.jsonl:3:" in message and "line 1" in message, message
+    assert "the string '7'" in message and "the int 7" in message and "repeated id" not in message
+    skipped = []
+    prompts = read_prompts(path, vocab_size=16, on_bad_line="skip", warn=skipped.append)
+    assert [(p.id, p.tokens) for p in prompts] == [("7", (1,)), ("x", (2,))] and len(skipped) == 1
 
 
 def test_batches_by_length_and_buckets():
@@ -102,6 +150,7 @@ def test_text_file_run_equals_direct_attribution(ckpt, tmp_path, monkeypatch, ca
             want = _direct(model, ids, None if rows == "all" else [-1], method="logit")
             np.testing.assert_allclose(got.scores, want.scores, rtol=2e-5, atol=1e-6)
             np.testing.assert_allclose(got.extra["logit"], want.extra["logit"], rtol=2e-5)
+            assert got.rows == want.rows  # the resolved position (len - 1), as attribute returns it
     # another run's settings into the same directory are refused (a usage error: exit code 2)
     argv = [
         "attribute-dataset",
@@ -225,3 +274,27 @@ def test_a_hybrid_dataset_run_records_each_layer_kind(tmp_path):
     assert got.layer_kinds == ("mamba2", "attention", "mamba2")
     want = latim_jax.attribute(model, [[1, 2, 3, 4]], method="alti")
     np.testing.assert_allclose(got.scores, want.scores, rtol=1e-5, atol=1e-6)
+
+
+def test_last_rows_read_back_as_each_prompts_own_position(ckpt, tmp_path):
+    """rows="last" is each prompt's own last position, as attribute resolves rows=[-1]: stored per
+    prompt in the shard, and a shard written before (rows [-1] for the batch) reads back resolved."""
+    from latim_jax.latim.dataset import Prompt, attribute_dataset
+
+    model = latim_jax.load(ckpt)
+    prompts = [Prompt(f"p{n}", tuple(range(1, n + 1)), k + 1) for k, n in enumerate([5, 3, 4])]
+    out = tmp_path / "run"
+    attribute_dataset(model, prompts, out, method="l2", rows="last", batch_size=3, progress=False)
+    results = open_results(out)
+    for p in prompts:
+        want = latim_jax.attribute(model, [list(p.tokens)], method="l2", rows=[-1])
+        assert results[p.id].rows == want.rows == (len(p.tokens) - 1,)
+    (shard,) = out.glob("shard-*.npz")
+    with np.load(shard) as z:
+        arrays = dict(z)
+    index = json.loads(bytes(arrays["index"]).decode())
+    assert index["prompt_rows"] == [[2], [3], [4]]  # by length: p3, p4, p5
+    del index["prompt_rows"]  # as written before the field existed
+    arrays["index"] = np.frombuffer(json.dumps(index).encode(), np.uint8)
+    np.savez(shard, **arrays)
+    assert [open_results(out)[p.id].rows for p in prompts] == [(4,), (2,), (3,)]
