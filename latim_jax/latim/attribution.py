@@ -27,6 +27,7 @@ from latim_jax.latim.request import LayerJob, Request, check_targets, layer_job,
 from latim_jax.latim.scores import DEFAULT_AGGREGATION, kept_pairs, layer_scores, token_sum
 from latim_jax.model.inputs import check_layers, is_traced
 from latim_jax.model.jit import bound_compiled_programs, jit_model_fn
+from latim_jax.model.kind import kind_of
 from latim_jax.model.lm import side_input
 from latim_jax.model.sharding import context
 from latim_jax.parallel.context import Context
@@ -44,20 +45,32 @@ class Contributions:
     output: jax.Array
 
 
-def _layer_input(model, tokens, layer, impl, mask=None, inputs_embeds=None):
+def _layer_input(model, tokens, layer, impl, mask=None, inputs_embeds=None, fits=None):
     """(validated layer index, the residual stream entering it, the mask, the context, what the layer
-    reads besides: h^0 for a shared block, else None)."""
+    reads besides: h^0 for a shared block, else None). ``fits``: called as ``fits(batch, length,
+    layer)`` once the inputs are validated and before any layer runs (concrete inputs only): the
+    memory check of :func:`contributions`."""
     if isinstance(layer, bool) or not isinstance(layer, int | np.integer):
         raise ValueError(f"layer must be an int in [0, {model.config.n_layers}), found {layer!r}")
     layer = check_layers(int(layer), model.config.n_layers)[0]
     ctx = context(model, impl)
     x = model.prepare_inputs(tokens, mask, inputs_embeds, ctx)
+    if fits is not None and not is_traced(x.h):
+        fits(x.batch, x.length, layer)
     side = side_input(model.layers[layer], x.h)
     return layer, model.run_layers(x.h, x.mask, ctx, stop=layer)[layer], x.mask, ctx, side
 
 
 def contributions(
-    model, tokens=None, layer: int = 0, mode: str = "exact", *, mask=None, inputs_embeds=None, impl="auto"
+    model,
+    tokens=None,
+    layer: int = 0,
+    mode: str = "exact",
+    *,
+    mask=None,
+    inputs_embeds=None,
+    impl="auto",
+    memory_limit="auto",
 ) -> Contributions:
     """Materialise layer ``layer``'s token-to-token contributions (for small inputs and tests).
 
@@ -65,10 +78,88 @@ def contributions(
     ``mode="paper"`` is the published additive approximation (bias = out_proj bias only). ``mask``
     (b, l) of valid positions (padding contributes nothing; see :func:`attribute`), ``inputs_embeds``
     (b, l, d) instead of token ids.
+
+    T is (b, l, l, d) fp32: it grows as l^2 (one prompt of 20,000 tokens at d = 768 is ~1.2 TB).
+    ``memory_limit``: "auto" (the free host or device memory divided by ``memory.AUTO_MARGIN``, as
+    :func:`attribute` takes it), a number of bytes, or None (no check). The call's peak is estimated
+    first (:func:`contributions_estimate`) and a call that would not fit is refused, before any layer
+    runs, with :class:`latim_jax.latim.memory.InsufficientMemoryError` naming the size of T, the
+    longest prompt that fits, and the tile-by-tile alternatives (:func:`attribute` for scores,
+    :func:`conservation_error`). Under a transformation (traced inputs) the check is skipped.
     """
     check_mode(mode)
-    layer, h, mask, ctx, side = _layer_input(model, tokens, layer, impl, mask, inputs_embeds)
+    limit = _memory_limit(memory_limit)
+
+    def fits(batch, length, index):
+        if limit is not None:
+            check_contributions_fit(model, batch, length, index, limit=limit)
+
+    layer, h, mask, ctx, side = _layer_input(model, tokens, layer, impl, mask, inputs_embeds, fits=fits)
     return _layer_contributions(model.layers[layer], h, mask, side, mode=mode, ctx=ctx)
+
+
+def _memory_limit(memory_limit) -> int | None:
+    """``memory_limit`` ("auto", bytes, or None) -> bytes or None; anything else is a ValueError."""
+    if memory_limit is None:
+        return None
+    if isinstance(memory_limit, str) and memory_limit == "auto":
+        return int(memory.available() / memory.AUTO_MARGIN)
+    if isinstance(memory_limit, bool) or not isinstance(memory_limit, int | float | np.integer | np.floating):
+        raise ValueError(f'memory_limit must be "auto", a number of bytes or None, found {memory_limit!r}')
+    return int(memory_limit)
+
+
+def contributions_estimate(model, batch: int, length: int, layer: int) -> memory.MemoryEstimate:
+    """Estimated bytes of :func:`contributions` of ``layer`` on ``batch`` prompts of ``length``
+    positions (fp32):
+
+        parameters   the loaded model
+        streams      the residual streams entering layers 0..layer, (layer + 1) b l d (kept until the
+                     layer is reached)
+        layer        the layer's working set with the whole l x l matrix as one tile: its kind's
+                     ``LayerKind.memory`` with rows = cols = l (the factors, the scan, the pair values
+                     V and T before the mask)
+        output       T (b, l, l, d), bias and output (b, l, d) each
+
+    A safe bound, like :func:`latim_jax.latim.memory.estimate`: 1.5-2x XLA's own account of the
+    compiled program for Mamba layers (tests/latim/test_memory.py)."""
+    c = model.config
+    b, L, d, f4 = int(batch), int(length), c.d_model, 4
+    params = sum(
+        int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(model.params())
+    )
+    streams = (layer + 1) * b * L * d * f4
+    work = kind_of(c.kinds[layer]).memory(c, b, L, L, L)
+    output = b * L * L * d * f4 + 2 * b * L * d * f4
+    return memory.MemoryEstimate(parameters=params, streams=streams, layer=work, output=output)
+
+
+def check_contributions_fit(
+    model, batch: int, length: int, layer: int, *, limit: int
+) -> memory.MemoryEstimate:
+    """:func:`contributions_estimate` of the call, or :class:`latim_jax.latim.memory.
+    InsufficientMemoryError` when it exceeds ``limit`` bytes, naming the size of T, the longest prompt
+    that fits (T grows as l^2), one prompt at a time when that fits (``options["batch"] = 1``), and
+    the tile-by-tile alternatives."""
+    est = contributions_estimate(model, batch, length, layer)
+    if est.total <= limit:
+        return est
+    lo, hi = 0, length  # the longest length that fits, in [0, length)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if contributions_estimate(model, batch, mid, layer).total <= limit else (lo, mid)
+    one = batch > 1 and contributions_estimate(model, 1, length, layer).total <= limit
+    T = batch * length * length * model.config.d_model * 4
+    fit = [("one prompt at a time fits" if one else "")]
+    fit.append(f"at most {lo} tokens per prompt fit" if lo else "no prompt length fits")
+    raise memory.InsufficientMemoryError(
+        f"contributions of layer {layer} for {batch} x {length} tokens materialise T (b, l, l, d) = "
+        f"{memory.human(T)} and need about {est.describe()}, more than the {memory.human(limit)} "
+        f"available. T grows as l^2: {'; '.join(f for f in fit if f)}. latim_jax.attribute computes the "
+        "scores tile by tile without T (rows=[-1]: O(l)), and conservation_error checks conservation tile "
+        "by tile. (memory_limit=None skips this check.)",
+        options={"batch": 1} if one else {}, needed=est.total, limit=limit, batch=batch, length=length,
+    )  # fmt: skip
 
 
 @jit_model_fn(static_argnames=("mode", "ctx"))

@@ -118,3 +118,58 @@ def test_top_k_bf16_and_streaming_equal_the_full_scores(model, tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]
     with pytest.raises(FileExistsError, match="not an empty directory"):
         latim_jax.attribute(model, t, method="alti", stream_to=out)
+
+
+def test_contributions_refuses_before_any_work_naming_the_size_of_T(model, monkeypatch):
+    """contributions materialises T (b, l, l, d): a call whose estimate exceeds the limit is refused
+    before any layer runs, naming T's size and what fits; "auto" (the default) reads the free memory;
+    a limit that holds the estimate runs."""
+    from latim_jax.latim import attribution, memory
+    from latim_jax.latim.attribution import contributions_estimate
+
+    t = np.random.default_rng(0).integers(0, 32, (2, 64))
+    need = contributions_estimate(model, 2, 64, layer=1).total
+    T = 2 * 64 * 64 * CFG.d_model * 4  # 512 KiB
+    assert need > T + contributions_estimate(model, 2, 64, layer=1).parameters
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("work started before the memory check")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(attribution, "_layer_contributions", no_work)
+        patch.setattr(latim_jax.MambaLM, "run_layers", no_work)
+        with pytest.raises(
+            InsufficientMemoryError, match=r"materialise T \(b, l, l, d\) = 512\.00 KiB"
+        ) as err:
+            latim_jax.contributions(model, t, layer=1, memory_limit=need - 1)
+        assert err.value.needed == need and err.value.limit == need - 1 and err.value.length == 64
+        assert err.value.options == {"batch": 1} and "one prompt at a time fits" in str(err.value)
+        assert "at most 63 tokens per prompt fit" in str(err.value) and "memory_limit=None" in str(err.value)
+        patch.setattr(memory, "available", lambda: int(need * memory.AUTO_MARGIN) - 2)
+        with pytest.raises(InsufficientMemoryError, match="more than the"):
+            latim_jax.contributions(model, t, layer=1)  # memory_limit="auto"
+        with pytest.raises(ValueError, match="memory_limit must be"):
+            latim_jax.contributions(model, t, layer=1, memory_limit="lots")
+    c = latim_jax.contributions(model, t, layer=1, memory_limit=need)
+    assert c.T.shape == (2, 64, 64, CFG.d_model)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_contributions_estimate_bounds_the_compiled_programs_memory(version):
+    """The per-layer part and T of the contributions estimate against XLA's account of the compiled
+    program (temporaries + outputs): a safe bound, at most 3x over (measured 1.5-2x)."""
+    import jax.numpy as jnp
+
+    from latim_jax.latim.attribution import _layer_contributions, contributions_estimate
+    from latim_jax.parallel.context import XLA
+
+    cfg = MambaConfig(version=version, d_model=32, n_layers=1, vocab_size=64, d_state=8, d_conv=4,
+                      head_dim=16, chunk_size=32)  # fmt: skip
+    m = latim_jax.MambaLM(cfg, init_params(cfg, 0))
+    L = 128
+    h, mask = jnp.zeros((1, L, 32)), jnp.ones((1, L), bool)
+    lowered = _layer_contributions.lower(m.layers[0], h, mask, None, mode="exact", ctx=XLA)
+    analysis = lowered.compile().memory_analysis()
+    measured = analysis.temp_size_in_bytes + analysis.output_size_in_bytes
+    est = contributions_estimate(m, 1, L, layer=0)
+    assert 1.0 <= (est.layer + est.output) / measured <= 3.0, (est.layer + est.output) / measured
