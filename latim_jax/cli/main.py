@@ -70,8 +70,8 @@ __all__ = [
 DESCRIPTION = """LaTIM token-to-token attribution for Mamba models.
 
 commands: attribute (one prompt: scores, a figure, an HTML view), attribute-dataset (every prompt of
-a file, resumable), info, generate, evaluate (the task experiments), convert, check (against
-transformers). Run 'latim-jax COMMAND --help' for each one's options."""
+a file, resumable), info, generate, evaluate (the task experiments), convert, check (logits and hidden
+states against transformers, needs torch). Run 'latim-jax COMMAND --help' for each one's options."""
 VALUE_LABELS = {  # what a map's colour shows, per method (the figure's legend)
     "l2": "l2: ||T_i(x_j)||, how much source j moves into target i",
     "l1": "l1: ||T_i(x_j)||_1, how much source j moves into target i",
@@ -203,8 +203,39 @@ def cmd_convert(args):
     print(f"wrote {dest} ({config.describe()}, {config.n_layers} layers, d_model {config.d_model})")
 
 
+CHECK_HELP = (
+    "compare logits and hidden states with transformers (needs torch): a Hugging Face directory loads "
+    "with transformers' from_pretrained; a latim-jax checkpoint is rebuilt as transformers' Mamba, "
+    "FalconMamba, Mamba2 or NemotronH; other converted families are refused (exit code 2: check the "
+    "original Hugging Face directory)"
+)
+
+
+def hidden_state_labels(count: int, begin: str) -> list[str]:
+    """What each of transformers' ``count`` hidden states is, from check's ``hidden_states_begin``:
+    "embeddings" then "after layer i - 1" when the list begins with the embeddings, else "after layer i"
+    (transformers' layers)."""
+    if begin == "embeddings":
+        return ["embeddings"] + [f"after layer {i:3d}" for i in range(count - 1)]
+    if begin == "after layer 0":
+        return [f"after layer {i:3d}" for i in range(count)]
+    raise ValueError(f"hidden_states_begin must be 'embeddings' or 'after layer 0', found {begin!r}")
+
+
+def _check_source(args) -> str:
+    """check's model: the positional DIR or --model (both only when they name the same one)."""
+    if args.model is not None and args.model_option is not None and args.model != args.model_option:
+        both = f"{args.model!r} and --model {args.model_option!r}"
+        raise UsageError(f"check: the model given twice ({both})")
+    source = args.model if args.model is not None else args.model_option
+    if source is None:
+        raise UsageError("check: name the model to check, as 'check DIR' or 'check --model DIR'")
+    return source
+
+
 def cmd_check(args):
     """`latim-jax check`: compare logits and hidden states with transformers; PASS or FAIL."""
+    args.model = _check_source(args)
     check_outputs({"--json": args.json}, args.force)
     try:
         resolve(args.model)
@@ -225,8 +256,9 @@ def cmd_check(args):
         f"(relative {report['max_logit_error_relative']:.3e}),"
         f" mean abs error {report['mean_logit_error']:.3e}"
     )
-    for i, e in enumerate(report["hidden_error_relative"]):
-        print(f"layer {i:3d}: hidden-state relative error {e:.3e}")
+    errors = report["hidden_error_relative"]
+    for label, e in zip(hidden_state_labels(len(errors), report["hidden_states_begin"]), errors, strict=True):
+        print(f"{label}: hidden-state relative error {e:.3e}")
     if args.json:
         write_bytes_atomic(args.json, json.dumps(report, indent=2).encode())
     print(report["summary"])
@@ -402,8 +434,23 @@ def build_parser() -> Parser:
     )
     c.set_defaults(func=cmd_convert)
 
-    k = sub.add_parser("check", parents=common, help="compare against transformers (needs torch)")
-    k.add_argument("--model", required=True, help=model_help)
+    k = sub.add_parser(
+        "check",
+        parents=common,
+        help="logits and hidden states vs transformers (needs torch): HF directories via "
+        "from_pretrained, latim-jax checkpoints rebuilt as Mamba/FalconMamba/Mamba2/NemotronH, "
+        "other converted families refused",
+        description=CHECK_HELP + ".",
+    )
+    k.add_argument("model", nargs="?", default=None, help=model_help)
+    # as the other commands take it (a positional and a different --model together is an error)
+    k.add_argument(
+        "--model",
+        dest="model_option",
+        default=None,
+        metavar="MODEL",
+        help="the same, as other commands take it",
+    )
     k.add_argument("--length", type=positive_int, default=16, help="tokens per sequence (default 16)")
     k.add_argument("--batch", type=positive_int, default=1, help="random sequences (default 1)")
     k.add_argument("--seed", type=nonnegative_int, default=0)
@@ -420,7 +467,13 @@ def build_parser() -> Parser:
     i = sub.add_parser("info", parents=common, help="config, task, sizes, layers and vocabulary of a model")
     i.add_argument("model", nargs="?", default=None, help=model_help + " (default copy-mamba2)")
     # the other commands take --model: accepted here too (a positional and --model together is an error)
-    i.add_argument("--model", dest="model_option", default=None, help="the same, as other commands take it")
+    i.add_argument(
+        "--model",
+        dest="model_option",
+        default=None,
+        metavar="MODEL",
+        help="the same, as other commands take it",
+    )
     i.set_defaults(func=cmd_info)
 
     a = sub.add_parser("attribute", parents=common, help="token-to-token scores for one prompt")

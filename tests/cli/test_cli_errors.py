@@ -384,3 +384,83 @@ def test_a_corrupt_orbax_checkpoint_is_one_line(here):
                                   text=True, timeout=300)  # fmt: skip
             assert done.returncode == EXIT_USAGE and "could not restore the orbax checkpoint" in done.stderr
             assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+
+
+def test_attribute_dataset_names_every_bad_line_before_any_work(here, capsys):
+    """--on-bad-line fail (the default): one error line naming every bad line of the input, not only
+    the first, and nothing written (the output directory is not even created)."""
+    lines = ['{"id": "ok", "tokens": [1, 2]}'] + [
+        json.dumps({"id": f"b{k}", "tokens": [99]}) for k in range(12)
+    ]
+    lines.insert(5, "{not json")
+    (here / "in.jsonl").write_text("\n".join(lines) + "\n")
+    argv = ["attribute-dataset", "--model", "ck", "--input", "in.jsonl", "--out", "out", "--quiet"]
+    rc, err = run(argv, capsys)
+    assert rc == EXIT_USAGE and "in.jsonl: 13 bad lines" in err and "--on-bad-line skip" in err, err
+    assert "line 6: not JSON" in err
+    assert all(
+        f"line {n}: token ids [99] outside the vocabulary [0, 12)" in err
+        for n in (*range(2, 6), *range(7, 15))
+    )
+    assert not (here / "out").exists()
+
+
+def fake_report(begin: str, errors) -> dict:
+    """check.check_model's report without torch: errors per transformers hidden state."""
+    return {
+        "reference": "a stand-in",
+        "max_logit_error": 0.0,
+        "mean_logit_error": 0.0,
+        "max_logit_error_relative": 0.0,
+        "hidden_error_relative": list(errors),
+        "hidden_states_begin": begin,
+        "length": 5,
+        "batch": 1,
+    }
+
+
+@pytest.mark.parametrize(
+    "begin, labels",
+    [
+        ("embeddings", ["embeddings:", "after layer   0:", "after layer   1:"]),
+        ("after layer 0", ["after layer   0:", "after layer   1:", "after layer   2:"]),
+    ],
+)
+def test_check_labels_hidden_states_by_where_the_list_begins(here, capsys, monkeypatch, begin, labels):
+    """check's report says whether transformers' hidden states begin with the embeddings: entry 0 is
+    then the embeddings and entry i the output of layer i - 1, not "layer i"."""
+    from latim_jax.cli import check
+
+    monkeypatch.setattr(check, "check_model", lambda *a, **k: fake_report(begin, [1e-7, 2e-7, 3e-7]))
+    assert main(["check", "--model", "ck", "--length", "5"]) == EXIT_OK
+    out = capsys.readouterr().out
+    printed = [line.split(" hidden-state")[0] for line in out.splitlines() if "hidden-state" in line]
+    assert printed == labels, out
+
+
+def test_check_takes_the_model_positionally_or_as_model(here, capsys, monkeypatch):
+    """`check DIR` as `info DIR` does, or `check --model DIR`; both naming different models is an error,
+    neither is an error naming both forms."""
+    from latim_jax.cli import check
+
+    seen = []
+    monkeypatch.setattr(
+        check, "check_model", lambda source, **k: seen.append(source) or fake_report("embeddings", [0.0])
+    )
+    assert main(["check", "ck"]) == EXIT_OK
+    assert main(["check", "--model", "ck"]) == EXIT_OK
+    assert main(["check", "ck", "--model", "ck"]) == EXIT_OK  # the same one twice
+    assert seen == ["ck", "ck", "ck"]
+    capsys.readouterr()
+    rc, err = run(["check", "ck", "--model", "copy-mamba2"], capsys)
+    assert rc == EXIT_USAGE and "'ck'" in err and "--model 'copy-mamba2'" in err
+    rc, err = run(["check"], capsys)
+    assert rc == EXIT_USAGE and "check DIR" in err and "--model" in err and seen == ["ck", "ck", "ck"]
+
+
+def test_check_help_says_what_the_reference_is(capsys):
+    """check's help names the reference per kind of source, not only "needs torch"."""
+    assert main(["check", "--help"]) == EXIT_OK
+    out = " ".join(capsys.readouterr().out.split())
+    for words in ("from_pretrained", "Mamba, FalconMamba, Mamba2 or NemotronH", "refused", "exit code 2"):
+        assert words in out, (words, out)
