@@ -37,10 +37,12 @@ def add_dataset_parser(sub, parents=()) -> None:
         parents=list(parents),
         help="attribute every prompt of a file into a directory of shards (resumable)",
         description=(
-            'Attribute every prompt of a .jsonl file ({"id": ..., "text"|"tokens": ...} per line) or a '
-            "text file (one prompt per line, id = line number) into OUT: shards written atomically as "
-            "batches finish; rerunning the same command resumes where it stopped. Read the results with "
-            "latim_jax.open_results(OUT)."
+            'Attribute every prompt of a .jsonl file ({"id": ..., "text"|"tokens": ...} per line; an id '
+            'is a string or an int, results are keyed by its text, so 7 and "7" in one file are refused) '
+            "or a text file (one prompt per line, id = line number) into OUT: shards written atomically "
+            "as batches finish; rerunning the same command resumes where it stopped. Read the results "
+            "with latim_jax.open_results(OUT) (with --rows last, each result's rows is its prompt's last "
+            "position)."
         ),
     )
     p.add_argument("--model", default=None, help=MODEL_HELP + " (default copy-mamba2)")
@@ -66,7 +68,8 @@ def add_dataset_parser(sub, parents=()) -> None:
         "--on-bad-line",
         default="fail",
         choices=("skip", "fail"),
-        help="a bad input line: stop before computing (fail, default) or warn and skip it",
+        help="bad input lines: fail (default) reads the whole input, then stops before computing with "
+        "one error naming every bad line; skip warns about each and leaves it out",
     )
     add_impl_argument(p)
     p.add_argument(
