@@ -57,7 +57,7 @@ class LayerKind:
     module: type
     shapes: Callable[[Any], dict[str, tuple[int, ...]]]
     output_params: tuple[str, ...]
-    check: Callable[[Any], None] = _accept
+    check: Callable[[Any], None] | None = _accept
     section: type | None = None
     init: Mapping[str, Callable] = dataclasses.field(default_factory=dict)
     channel_axis: Mapping[str, int] = dataclasses.field(default_factory=dict)
@@ -78,6 +78,8 @@ class LayerKind:
             )
         if self.section is not None and not callable(getattr(self.section, "from_dict", None)):
             raise ValueError(f"LayerKind {self.name!r}: its config section needs a from_dict classmethod")
+        if self.check is None:
+            object.__setattr__(self, "check", _accept)
         object.__setattr__(self, "init", types.MappingProxyType(dict(self.init)))
         object.__setattr__(self, "channel_axis", types.MappingProxyType(dict(self.channel_axis)))
         object.__setattr__(self, "output_params", tuple(self.output_params))

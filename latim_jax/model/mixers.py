@@ -447,11 +447,21 @@ def mamba_memory(c, b: int, length: int, rows: int, cols: int) -> int:
     return factors + scan + work
 
 
+def check_mamba2(c) -> None:
+    """Mamba-2's heads: the inner width a multiple of head_dim, the heads a multiple of n_groups."""
+    if c.d_inner % c.head_dim:
+        raise ValueError(
+            f"Mamba-2 inner width {c.d_inner} (expand*d_model) is not a multiple of head_dim {c.head_dim}"
+        )
+    if c.n_heads % c.n_groups:
+        raise ValueError(f"Mamba-2 n_heads {c.n_heads} is not a multiple of n_groups {c.n_groups}")
+
+
 def _mamba_kind(module, version: int) -> LayerKind:
     return LayerKind(
         name=module.kind, display=f"Mamba-{version}", module=module, shapes=mamba_shapes,
         output_params=("out_proj", "out_proj_b"), init=MAMBA_INIT, channel_axis=CHANNEL_AXIS,
-        memory=mamba_memory, version=version, folds_norm=True,
+        memory=mamba_memory, version=version, folds_norm=True, check=check_mamba2 if version == 2 else None,
     )  # fmt: skip
 
 

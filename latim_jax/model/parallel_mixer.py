@@ -50,10 +50,16 @@ def parallel_memory(c, b: int, length: int, rows: int, cols: int) -> int:
     return MAMBA2.memory(c, b, length, rows, cols) + ATTENTION.memory(c, b, length, rows, cols)
 
 
+def _check_parallel(c) -> None:
+    """A parallel block reads Mamba-2's and the attention's config fields."""
+    MAMBA2.check(c)
+    ATTENTION.check(c)
+
+
 PARALLEL = LayerKind(
     name="parallel", display="Mamba-2 + attention", module=ParallelMixer,
     shapes=lambda c: {**MAMBA2.shapes(c), **ATTENTION.shapes(c)},
-    output_params=MAMBA2.output_params + ATTENTION.output_params, check=ATTENTION.check,
+    output_params=MAMBA2.output_params + ATTENTION.output_params, check=_check_parallel,
     init=MAMBA2.init, channel_axis=MAMBA2.channel_axis, memory=parallel_memory, version=2,
     holds_attention=True,
 )  # fmt: skip

@@ -99,7 +99,8 @@ def shared_block_shapes(c) -> dict[str, tuple[int, ...]]:
 
 
 def _check_shared(c) -> None:
-    """A shared block reads the attention's and the MLP's config fields."""
+    """A shared block reads Mamba-2's, the attention's and the MLP's config fields."""
+    MAMBA2.check(c)
     ATTENTION.check(c)
     MLP.check(c)
 

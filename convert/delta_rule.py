@@ -1,0 +1,54 @@
+"""Reading a Gated DeltaNet sublayer's tensors into latim-jax's "gdn" layout
+(:mod:`latim_jax.model.delta_rule`): in_proj [q | k | v | z], ba_proj [b | a], conv_w (K, m), ...
+
+Qwen3-Next stores q, k, v and z interleaved per key head in one matrix (``in_proj_qkvz``: for each key
+head, its q (k rows), k (k rows), then the v (rep v rows) and z (rep v rows) of the rep = H / Hk value
+heads it serves), and b, a likewise (``in_proj_ba``: per key head, rep b rows then rep a rows).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import CheckpointError
+
+
+def _expect(name: str, array, shape: tuple[int, ...], file: str) -> np.ndarray:
+    array = np.asarray(array)
+    if array.shape != shape:
+        raise CheckpointError(f"{file}: tensor {name!r} has shape {array.shape}; expected {shape}")
+    return array
+
+
+def qwen3_next_gdn(tensors: dict, section, d_model: int, file: str = "checkpoint") -> dict:
+    """latim-jax gdn parameters from Qwen3-Next's ``linear_attn`` tensors (torch orientation, keys
+    relative to the module: in_proj_qkvz.weight, in_proj_ba.weight, conv1d.weight, conv1d.bias (if
+    any), dt_bias, A_log, norm.weight, out_proj.weight); ``section`` the kind's DeltaRuleConfig. A tensor
+    of the wrong shape is a CheckpointError naming it, its shape and the expected one."""
+    s, d = section, d_model
+    Hk, dk, dv = s.k_heads, s.k_dim, s.v_dim
+    rep = s.v_heads // Hk
+    per = 2 * dk + 2 * rep * dv
+    qkvz = _expect("in_proj_qkvz.weight", tensors["in_proj_qkvz.weight"], (Hk * per, d), file)
+    qkvz = qkvz.reshape(Hk, per, d)
+    q, k = qkvz[:, :dk], qkvz[:, dk : 2 * dk]
+    v, z = qkvz[:, 2 * dk : 2 * dk + rep * dv], qkvz[:, 2 * dk + rep * dv :]
+    in_proj = np.concatenate([x.reshape(-1, d) for x in (q, k, v, z)], axis=0).T
+    ba = _expect("in_proj_ba.weight", tensors["in_proj_ba.weight"], (Hk * 2 * rep, d), file).reshape(
+        Hk, 2 * rep, d
+    )
+    ba_proj = np.concatenate([ba[:, :rep].reshape(-1, d), ba[:, rep:].reshape(-1, d)], axis=0).T
+    m = s.conv_width
+    conv = _expect("conv1d.weight", tensors["conv1d.weight"], (m, 1, s.conv), file)
+    out = {
+        "in_proj": in_proj,
+        "ba_proj": ba_proj,
+        "conv_w": conv[:, 0, :].T,
+        "dt_bias": _expect("dt_bias", tensors["dt_bias"], (s.v_heads,), file),
+        "A_log": _expect("A_log", tensors["A_log"], (s.v_heads,), file),
+        "norm_w": _expect("norm.weight", tensors["norm.weight"], (dv,), file),
+        "out_proj": _expect("out_proj.weight", tensors["out_proj.weight"], (d, s.value_width), file).T,
+    }
+    if s.conv_bias:
+        out["conv_b"] = _expect("conv1d.bias", tensors["conv1d.bias"], (m,), file)
+    return {name: np.ascontiguousarray(x) for name, x in out.items()}

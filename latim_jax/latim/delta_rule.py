@@ -1,0 +1,131 @@
+"""The Gated DeltaNet kind ("gdn"): one layer's output written as a sum over source tokens (docs/method.md,
+section 15).
+
+With q, k, the decay g and the rate beta held at their forward values, the delta rule is linear in its
+values: o_i = sum_{t <= i} M[i, t] v_t with one scalar M per value head and pair
+(:mod:`latim_jax.kernels.delta_rule`). The values come out of the causal conv, whose taps carry earlier
+tokens, exactly as Mamba's value path does, so for target i and source j (K taps, w_k = conv_w[K-1-k]
+on the value channels, s_t = act(c_t) / c_t the activation's gain from the forward, u_j the token's
+value input from in_proj):
+
+    exact:  T_i(x_j) = W_out( G_i * sum_{k=0}^{K-1} M[i, j+k] a_k[j] ),   a_k[j] = w_k * s_{j+k} * u_j
+            beta_i   = W_out( G_i * sum_{t<=i} M[i, t] s_t b_conv )   (+ the out_proj input's rounding)
+    paper:  a_k[j] = act(w_k u_j + [k = 0] b_conv)   (the published additive approximation of the conv)
+
+with M applied per value head (broadcast over its v channels) and G_i = w_norm * SiLU(z_i) / rms_head(o_i),
+the gated norm with its scale held at the forward's value. The query / key path (q, k through their own
+conv taps and L2 norm), g and beta are what LaTIM holds fixed, as it holds Mamba's Delta, B and C.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from latim_jax.kernels import delta_rule, f32
+from latim_jax.kernels.block_sizes import Blocks
+from latim_jax.latim.factors import Factors
+from latim_jax.latim.mamba import check_mode
+from latim_jax.model.layers import activation, activation_gate, linear
+from latim_jax.parallel.context import XLA, Context
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DeltaFactors(Factors):
+    """One gdn sublayer's factors (fp32): q, k (b, l, H, k), g, beta (b, l, H) held fixed; a (b, K, l, e)
+    the per-source tap values (batch first, like every field); G (b, l, e) the output gate; W_out (e, d);
+    bias, output, h (b, l, d); token_total (b, l, d) or None."""
+
+    mode: str = dataclasses.field(metadata=dict(static=True))
+    q: jax.Array
+    k: jax.Array
+    g: jax.Array
+    beta: jax.Array
+    a: jax.Array
+    G: jax.Array
+    W_out: jax.Array
+    bias: jax.Array
+    output: jax.Array
+    h: jax.Array
+    token_total: jax.Array | None
+
+    kind = "gdn"
+    channels_first = False
+
+    def m_tile(self, rows, c0, width: int):
+        """M[rows, c0 : c0 + width] per value head, (b, H, r, width) (:func:`latim_jax.kernels.delta_rule.
+        m_tile`)."""
+        return delta_rule.m_tile(self.q, self.k, self.g, self.beta, rows, c0, width)
+
+    def pair_values(self, rows, j0, width: int, blocks: Blocks, *, channels_first: bool = False):
+        """V_{i,j} = G_i * sum_k M[i, j+k] a_k[j] for i in ``rows``, j in [j0, j0 + width): (b, r, width, e),
+        so that T_i(x_j) = V_{i,j} @ W_out. Sources past the end give zeros."""
+        del blocks, channels_first
+        b, K, _, e = self.a.shape
+        H = self.g.shape[-1]
+        M = self.m_tile(rows, j0, width + K - 1)  # (b, H, r, width + K - 1)
+        cols = j0 + jnp.arange(width)
+        a = jnp.take(self.a, cols, axis=2, mode="fill", fill_value=0).reshape(b, K, width, H, e // H)
+        acc = sum(jnp.einsum("bhrw,bwhv->brwhv", M[..., k : k + width], a[:, k]) for k in range(K))
+        return acc.reshape(b, rows.shape[0], width, e) * self.G[:, rows][:, :, None, :]
+
+    def attention_map(self, rows, j0, width: int):
+        """The hidden attention for the baseline: M averaged over the value heads, (b, r, width)."""
+        return jnp.mean(self.m_tile(rows, j0, width), axis=1)
+
+
+def factors(
+    block, h, mask, ctx: Context = XLA, mode: str = "exact", *, hold_fixed=False, with_total=False
+) -> DeltaFactors:
+    """The factors of one gdn block for the stream h (b, l, d) entering it (see the module docstring).
+    Padding (``mask`` False) is an identity step of the rule and its sources get zero tap values.
+    ``hold_fixed``: the same values, without gradient through q, k, g, beta, the activation's gain, the
+    output gate and the pre-norm scale (the layer differentiated as the linear map of its values)."""
+    check_mode(mode)
+    mixer = block.mixer
+    s = mixer.section
+    inter = mixer.intermediates(block.normed(h, hold_fixed=hold_fixed), mask=mask, ctx=ctx)
+    held = jax.lax.stop_gradient if hold_fixed else (lambda x: x)
+    q, k, g, beta, G = (held(x) for x in (inter.q, inter.k, inter.g, inter.beta, inter.G))
+    K, e, lo = s.conv, s.value_width, 2 * s.key_width  # the value channels are the conv's last e
+    conv_w = mixer.conv_w[...].astype(f32)[:, lo:]
+    w_lag = conv_w[::-1]  # w_k multiplies u_{t-k}
+    b_conv = mixer._get("conv_b")
+    b_conv = None if b_conv is None else b_conv.astype(f32)[lo:]
+    u = inter.u[..., lo:].astype(f32)  # the conv input the forward used, 0 at padding
+    c = inter.c[..., lo:]
+    valid = mask[..., None].astype(f32)
+    W_out = mixer.out_proj[...].astype(f32)
+    b, L, _ = h.shape
+    H, dv = s.v_heads, s.v_dim
+    bias = jnp.zeros((b, L, W_out.shape[1]), f32)
+
+    def run(values):  # the rule over other values (b, l, e) with the forward's q, k, g, beta -> (b, l, e)
+        o, _ = delta_rule.chunked(q, k, values.reshape(b, L, H, dv), g, beta, s.chunk)
+        return o.reshape(b, L, e)
+
+    if mode == "exact":
+        gain = held(activation_gate(s.activation, c))
+        gain_pad = jnp.pad(gain, ((0, 0), (0, K - 1), (0, 0)))
+        a = jnp.stack([w_lag[t] * gain_pad[:, t : t + L] * u for t in range(K)], axis=1)
+        if b_conv is not None:
+            bias = bias + linear(run(gain * b_conv) * G, W_out)
+        dtype = mixer.out_proj[...].dtype
+        if dtype != f32:  # the forward rounds the out_proj input to the weight dtype: no token's
+            y = inter.o.reshape(b, L, e) * inter.G
+            bias = bias + linear(y.astype(dtype).astype(f32) - y, W_out)
+    else:
+        f = activation(s.activation)
+        first = 0.0 if b_conv is None else b_conv
+        a = jnp.stack([f(w_lag[t] * u + (first if t == 0 else 0.0)) * valid for t in range(K)], axis=1)
+    total = None
+    if with_total:  # sum_j T_i(x_j) in O(l): v_t = sum_k a_k[t - k], then the rule, the gate and W_out
+        v = sum(jnp.pad(a[:, t], ((0, 0), (t, 0), (0, 0)))[:, :L] for t in range(K))
+        total = linear(run(v) * G, W_out)
+    return DeltaFactors(
+        mode=mode, q=q, k=k, g=g, beta=beta, a=a, G=G, W_out=W_out, bias=bias, output=mixer.output(inter),
+        h=h.astype(f32), token_total=total,
+    )  # fmt: skip

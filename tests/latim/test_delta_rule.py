@@ -1,0 +1,211 @@
+"""The Gated DeltaNet kind ("gdn"): the chunked rule against an independent float64 recurrence, M against
+its definition as a product of the A_t in float64, the mixer against transformers' Qwen3-Next Gated
+DeltaNet, and the decomposition through a hybrid: exact conservation, the paper mode's reported error,
+the logit identity, causality, padding, row subsets, generation, vmap and gradients."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_l2_vmap_and_gradient, assert_logit_identity_padding_and_rows, rel_err
+
+import latim_jax
+from latim_jax.convert.delta_rule import qwen3_next_gdn
+from latim_jax.kernels import delta_rule
+from latim_jax.latim.kinds import layer_factors
+from latim_jax.model.delta_rule import DeltaRuleConfig
+from latim_jax.model.generate import generate
+from latim_jax.model.init import init_params
+
+SECTION = dict(k_heads=2, v_heads=4, k_dim=8, v_dim=6, chunk=8, conv_bias=True)
+CONFIG = latim_jax.MambaConfig(
+    version=2, d_model=16, n_layers=4, vocab_size=40, d_state=4, head_dim=8, chunk_size=8,
+    layer_kinds=("gdn", "mlp", "attention", "gdn"), attn_heads=2, attn_kv_heads=1, attn_head_dim=8,
+    mlp_width=24, mlp_gated=True, sections={"gdn": SECTION},
+)  # fmt: skip
+
+
+def _inputs(b=2, length=19, heads=4, dk=5, dv=3, seed=0, beta_scale=1.0):
+    rng = np.random.default_rng(seed)
+    q = rng.normal(size=(b, length, heads, dk))
+    k = rng.normal(size=(b, length, heads, dk))
+    q = q / np.linalg.norm(q, axis=-1, keepdims=True) / np.sqrt(dk)
+    k = k / np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.normal(size=(b, length, heads, dv))
+    g = -rng.uniform(0.01, 0.7, size=(b, length, heads))
+    beta = beta_scale * rng.uniform(0.05, 0.95, size=(b, length, heads))
+    return q, k, v, g, beta
+
+
+def _recurrence64(q, k, v, g, beta):
+    """o_t = S_t^T q_t, S_t = e^{g_t} (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T, in float64."""
+    b, length, H, dk = k.shape
+    S = np.zeros((b, H, dk, v.shape[-1]))
+    out = np.zeros(v.shape)
+    for t in range(length):
+        kt, bt = k[:, t], beta[:, t][..., None, None]
+        A = np.exp(g[:, t])[..., None, None] * (np.eye(dk) - bt * kt[..., :, None] * kt[..., None, :])
+        S = A @ S + bt * kt[..., :, None] * v[:, t][..., None, :]
+        out[:, t] = np.einsum("bhkv,bhk->bhv", S, q[:, t])
+    return out
+
+
+def _m64(q, k, g, beta):
+    """M[t, j] = beta_j q_t^T A_t ... A_{j+1} k_j (b, H, l, l) from the product of the A_t, float64."""
+    b, length, H, dk = k.shape
+    M = np.zeros((b, H, length, length))
+    for j in range(length):
+        P = np.broadcast_to(np.eye(dk), (b, H, dk, dk)).copy()
+        for t in range(j, length):
+            if t > j:
+                kt, bt = k[:, t], beta[:, t][..., None, None]
+                A = np.exp(g[:, t])[..., None, None] * (np.eye(dk) - bt * kt[..., :, None] * kt[..., None, :])
+                P = A @ P
+            M[:, :, t, j] = beta[:, j] * np.einsum("bhk,bhkl,bhl->bh", q[:, t], P, k[:, j])
+    return M
+
+
+@pytest.mark.parametrize("length, chunk", [(19, 8), (16, 16), (5, 8)])
+def test_the_chunked_rule_equals_the_recurrence(length, chunk):
+    q, k, v, g, beta = _inputs(length=length)
+    f32 = [jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta)]
+    o, S = delta_rule.chunked(*f32, chunk)
+    assert rel_err(o, _recurrence64(q, k, v, g, beta)) < 2e-6
+    Sr = jnp.zeros_like(S)
+    for t in range(length):  # the one-token step carries the same state
+        _, Sr = delta_rule.step(Sr, *(x[:, t] for x in f32))
+    assert rel_err(S, Sr) < 2e-6
+
+
+def test_m_tiles_equal_the_product_of_the_transitions():
+    """Rows in any order, a column tile starting mid-sequence and running past the end, beta in (0, 2)
+    (OLMo-Hybrid's negative eigenvalues): M from the one-hot recurrence equals its definition; M v is the
+    rule's output."""
+    q, k, v, g, beta = _inputs(length=13, beta_scale=2.0)
+    M = _m64(q, k, g, beta)
+    f32 = [jnp.asarray(x, jnp.float32) for x in (q, k, g, beta)]
+    rows = jnp.array([12, 3, 7, 0])
+    tile = delta_rule.m_tile(*f32, rows, 5, 11)  # columns 5..15: 13..15 past the end
+    want = np.zeros((2, 4, 4, 11))
+    want[..., :8] = M[:, :, np.asarray(rows), 5:13]
+    np.testing.assert_allclose(tile, want, rtol=1e-5, atol=1e-6)
+    assert np.all(np.asarray(tile)[:, :, 1, 0:] == 0) and np.all(np.asarray(tile)[:, :, 3] == 0)  # causal
+    full = delta_rule.m_tile(*f32, jnp.arange(13), 0, 13)
+    o = np.einsum("bhtj,bjhv->bthv", np.asarray(full, np.float64), v)
+    assert rel_err(o, _recurrence64(q, k, v, g, beta)) < 2e-6
+
+
+def test_the_config_section_is_checked():
+    with pytest.raises(ValueError, match=r"v_heads 3 is not a multiple of k_heads 2"):
+        DeltaRuleConfig(k_heads=2, v_heads=3, k_dim=4, v_dim=4)
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['heads'\] in sections\['gdn'\]"):
+        DeltaRuleConfig.from_dict({"heads": 2})
+    with pytest.raises(ValueError, match=r"layer kind 'gdn' needs its config section"):
+        latim_jax.MambaConfig(version=2, d_model=16, n_layers=1, vocab_size=40, layer_kinds=("gdn",))
+    assert latim_jax.MambaConfig.from_dict(CONFIG.to_dict()) == CONFIG
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    return latim_jax.MambaLM(CONFIG, init_params(CONFIG, 7))
+
+
+def _tokens(b=2, length=21, seed=0):
+    return np.random.default_rng(seed).integers(0, CONFIG.n_tokens, (b, length))
+
+
+@pytest.mark.parametrize("layer", [0, 3])
+def test_gdn_layers_conserve_exactly_and_paper_mode_reports_its_error(hybrid, layer):
+    tokens = _tokens()
+    mask = np.ones(tokens.shape, bool)
+    mask[1, :5] = False
+    assert latim_jax.conservation_error(hybrid, tokens, layer, "exact", mask=mask) < 2e-6
+    assert latim_jax.conservation_error(hybrid, tokens, layer, "paper", mask=mask) > 1e-3
+    C = latim_jax.contributions(hybrid, tokens, layer, mask=mask)
+    T = np.asarray(C.T)
+    iu = np.triu_indices(21, 1)
+    assert np.all(T[:, iu[0], iu[1]] == 0)  # causal
+    assert np.all(T[1, :, :5] == 0)  # padding sources contribute nothing
+    assert rel_err((T.sum(2) + np.asarray(C.bias))[mask], np.asarray(C.output)[mask]) < 2e-6
+
+
+def test_gdn_contributions_equal_the_float64_map(hybrid):
+    """T_i(x_j) from the factors equals W_out(G_i * sum_k M64[i, j+k] a_k[j]) with M64 from the product
+    of the A_t (the test's own float64 definition, not the one-hot recurrence under test)."""
+    tokens = _tokens(b=1, length=15)
+    h = hybrid.forward(tokens).residuals[0]
+    f = layer_factors(hybrid, h, 0)
+    M = _m64(*(np.asarray(x, np.float64) for x in (f.q, f.k, f.g, f.beta)))  # (1, H, l, l)
+    a = np.asarray(f.a, np.float64)  # (1, K, l, e)
+    _, K, L, e = a.shape
+    H = M.shape[1]
+    V = np.zeros((1, L, L, H, e // H))
+    for t in range(K):
+        shifted = np.zeros((1, H, L, L))
+        shifted[..., : L - t] = M[..., t:]  # M[i, j + t]
+        V += np.einsum("bhij,bjhv->bijhv", shifted, a[:, t].reshape(1, L, H, e // H))
+    T = (V.reshape(1, L, L, e) * np.asarray(f.G)[:, :, None]) @ np.asarray(f.W_out, np.float64)
+    got = latim_jax.contributions(hybrid, tokens, 0).T
+    assert rel_err(got, T) < 1e-5
+
+
+def test_logit_identity_padding_and_rows_through_the_hybrid(hybrid):
+    assert_logit_identity_padding_and_rows(hybrid, _tokens())
+
+
+def test_right_padding_and_generation_equal_the_forward(hybrid):
+    tokens = _tokens(length=12)
+    mask = np.ones(tokens.shape, bool)
+    mask[0, 9:] = False
+    padded = hybrid(tokens, mask=mask)
+    alone = hybrid(tokens[:1, :9])
+    np.testing.assert_allclose(np.asarray(padded)[0, :9], alone[0], rtol=1e-5, atol=1e-5)
+    out = np.asarray(generate(hybrid, tokens[:, :6], max_new_tokens=4))
+    greedy = np.asarray(hybrid(out[:, :-1])).argmax(-1)[:, 5:]
+    np.testing.assert_array_equal(out[:, 6:], greedy)
+
+
+def test_vmap_and_gradient(hybrid):
+    embeds = jnp.asarray(np.random.default_rng(3).normal(size=(2, 11, 16)), jnp.float32)
+    assert_l2_vmap_and_gradient(hybrid, embeds, [0, 3])
+
+
+@pytest.mark.torch
+def test_the_mixer_equals_transformers_qwen3_next_gated_deltanet():
+    """One Qwen3-Next Gated DeltaNet (grouped heads, interleaved in_proj_qkvz / in_proj_ba) read into the
+    gdn layout: the same output as transformers' module (its chunked torch path) at a length that crosses
+    the chunk (64) and is not a multiple of it."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.qwen3_next import modeling_qwen3_next as qn
+
+    hf = transformers.Qwen3NextConfig(
+        hidden_size=16, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+        linear_value_head_dim=6, linear_conv_kernel_dim=4, num_hidden_layers=1,
+        layer_types=["linear_attention"], rms_norm_eps=1e-6, vocab_size=40, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    layer = qn.Qwen3NextGatedDeltaNet(hf, 0).eval()
+    with torch.no_grad():
+        layer.dt_bias.normal_()
+        layer.norm.weight.uniform_(0.5, 1.5)
+    section = DeltaRuleConfig(k_heads=2, v_heads=4, k_dim=8, v_dim=6, chunk=64)
+    cfg = latim_jax.MambaConfig(
+        version=2, d_model=16, n_layers=1, vocab_size=40, layer_kinds=("gdn",), sections={"gdn": section}
+    )
+    tensors = {k: v.detach().numpy() for k, v in layer.state_dict().items()}
+    params = qwen3_next_gdn(tensors, section, 16)
+    mixer = (
+        latim_jax.MambaLM(
+            cfg, {**init_params(cfg, 0), "layers": [{"norm": np.ones(16, np.float32), "mixer": params}]}
+        )
+        .layers[0]
+        .mixer
+    )
+    x = np.random.default_rng(0).normal(size=(2, 77, 16)).astype(np.float32)
+    with torch.no_grad():
+        want = layer(torch.from_numpy(x)).numpy()
+    got = mixer(jnp.asarray(x), mask=jnp.ones((2, 77), bool))
+    assert rel_err(got, want) < 1e-5
