@@ -20,11 +20,41 @@ def _expect(name: str, array, shape: tuple[int, ...], file: str) -> np.ndarray:
     return array
 
 
+def qkvz_rows(section) -> np.ndarray:
+    """The rows of Qwen3-Next's ``in_proj_qkvz`` (per key head: q, k, rep v, rep z) in latim-jax's order
+    [q | k | v | z] (value head h = key head h // rep, slot h % rep): in_proj^T = qkvz[qkvz_rows(s)]."""
+    Hk, dk, dv = section.k_heads, section.k_dim, section.v_dim
+    rep = section.v_heads // Hk
+    per = 2 * dk + 2 * rep * dv
+    base = np.arange(Hk)[:, None] * per
+    parts = [(0, dk), (dk, dk), (2 * dk, rep * dv), (2 * dk + rep * dv, rep * dv)]
+    return np.concatenate([(base + start + np.arange(n)[None]).reshape(-1) for start, n in parts])
+
+
+def ba_rows(section) -> np.ndarray:
+    """The rows of Qwen3-Next's ``in_proj_ba`` (per key head: rep b, rep a) in the order [b | a]."""
+    rep = section.v_heads // section.k_heads
+    base = np.arange(section.k_heads)[:, None] * 2 * rep
+    return np.concatenate(
+        [(base + np.arange(rep)[None]).reshape(-1), (base + rep + np.arange(rep)[None]).reshape(-1)]
+    )
+
+
+def gated_query_rows(heads: int, head_dim: int) -> np.ndarray:
+    """The rows of a gated attention's ``q_proj`` (per head: a query rows, then a gate rows) in the order
+    [every query | every gate], so that its first half is q_proj and its second the output gate's."""
+    base = np.arange(heads)[:, None] * 2 * head_dim
+    q = (base + np.arange(head_dim)[None]).reshape(-1)
+    return np.concatenate([q, q + head_dim])
+
+
 def qwen3_next_gdn(tensors: dict, section, d_model: int, file: str = "checkpoint") -> dict:
-    """latim-jax gdn parameters from Qwen3-Next's ``linear_attn`` tensors (torch orientation, keys
-    relative to the module: in_proj_qkvz.weight, in_proj_ba.weight, conv1d.weight, conv1d.bias (if
-    any), dt_bias, A_log, norm.weight, out_proj.weight); ``section`` the kind's DeltaRuleConfig. A tensor
-    of the wrong shape is a CheckpointError naming it, its shape and the expected one."""
+    """latim-jax gdn parameters from Qwen3-Next's ``linear_attn`` tensors, read eagerly (the checkpoint
+    reader does the same through :func:`qkvz_rows` / :func:`ba_rows` on its lazy tensors). Torch
+    orientation, keys relative to the module: in_proj_qkvz.weight, in_proj_ba.weight, conv1d.weight,
+    conv1d.bias (if any), dt_bias, A_log, norm.weight, out_proj.weight; ``section`` the kind's
+    DeltaRuleConfig. A tensor of the wrong shape is a CheckpointError naming it, its shape and the
+    expected one."""
     s, d = section, d_model
     Hk, dk, dv = s.k_heads, s.k_dim, s.v_dim
     rep = s.v_heads // Hk

@@ -14,9 +14,11 @@ from typing import Any
 import numpy as np
 
 from latim_jax.model.config import MambaConfig
+from latim_jax.model.delta_rule import DeltaRuleConfig
 from latim_jax.model.kind import kind_of
 
 from .config_fields import ConfigFields
+from .delta_rule import ba_rows, gated_query_rows, qkvz_rows
 from .errors import CheckpointError
 from .hf_fields import ACTIVATIONS, GENERIC_IGNORED, build_config
 
@@ -698,6 +700,141 @@ def zamba2_tensors(config: MambaConfig, tensors, data: dict[str, Any]) -> None:
     tensors.consume(sorted(consumed))
 
 
+_QWEN3_NEXT_HANDLED = frozenset(
+    {
+        "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+        "num_attention_heads", "num_key_value_heads", "hidden_act", "rms_norm_eps", "tie_word_embeddings",
+        "rope_parameters", "rope_theta", "rope_scaling", "partial_rotary_factor", "attention_bias",
+        "head_dim",
+        "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+        "linear_num_value_heads", "decoder_sparse_step", "moe_intermediate_size",
+        "shared_expert_intermediate_size", "num_experts_per_tok", "num_experts", "norm_topk_prob",
+        "mlp_only_layers", "layer_types", "full_attention_interval",
+    }
+)  # fmt: skip
+# the router's auxiliary loss is training only; positions past max_position_embeddings rotate like any other
+_QWEN3_NEXT_IGNORED = GENERIC_IGNORED | {
+    "attention_dropout", "max_position_embeddings", "output_router_logits", "router_aux_loss_coef",
+}  # fmt: skip
+
+
+def qwen3_next_config(data: dict[str, Any], file: str) -> MambaConfig:
+    """A :class:`MambaConfig` from transformers' ``Qwen3NextConfig`` (``model_type: qwen3_next``): each
+    layer i is two sublayers, 2i its token mixer (a Gated DeltaNet, kind "gdn", where ``layer_types``
+    says "linear_attention"; else gated attention with per-head q/k RMSNorm and partial rotary) and
+    2i + 1 its feed-forward (routed experts with a sigmoid-gated shared expert where i is not in
+    ``mlp_only_layers`` and (i + 1) % ``decoder_sparse_step`` == 0, else a SwiGLU MLP). Its RMSNorms
+    scale by 1 + w (folded into the weights by :func:`qwen3_next_finish`)."""
+    f = ConfigFields(data, file=file, handled=_QWEN3_NEXT_HANDLED, ignored=_QWEN3_NEXT_IGNORED)
+    n = f.int("num_hidden_layers", 48)
+    types = f.raw("layer_types", None)
+    if types is None:
+        interval = f.int("full_attention_interval", 4)
+        types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
+    if not isinstance(types, list) or len(types) != n or set(types) - {"linear_attention", "full_attention"}:
+        raise f.error("layer_types", "wrong value", f'{n} of "linear_attention" / "full_attention"', types)
+    only = f.raw("mlp_only_layers", None) or []
+    if not isinstance(only, list) or not all(isinstance(i, int) for i in only):
+        raise f.error("mlp_only_layers", "wrong value", "a list of layer indices", only)
+    experts, step = f.int("num_experts", 512), f.int("decoder_sparse_step", 1)
+    kinds = []
+    for i, t in enumerate(types):
+        sparse = i not in only and experts > 0 and (i + 1) % step == 0
+        kinds += ["gdn" if t == "linear_attention" else "attention", "moe" if sparse else "mlp"]
+    d_model = f.int("hidden_size", 2048)
+    if f.bool("attention_bias", False):
+        raise f.error("attention_bias", "unsupported (a gated query projection with a bias)", False, True)
+    heads = f.int("num_attention_heads", 16)
+    head_dim = _attention_head_dim(f, d_model, heads)
+    if f.has("partial_rotary_factor") and f.raw("rope_parameters", None) is None:
+        theta, fraction = _rope(f, 10000.0, f.float("partial_rotary_factor"))
+    else:
+        theta, fraction = _rope(f, 10000.0, 0.25)
+    act = _activation(f, "hidden_act", "silu")
+    eps = f.float("rms_norm_eps", 1e-6)
+    gdn = DeltaRuleConfig(
+        k_heads=f.int("linear_num_key_heads", 16), v_heads=f.int("linear_num_value_heads", 32),
+        k_dim=f.int("linear_key_head_dim", 128), v_dim=f.int("linear_value_head_dim", 128),
+        conv=f.int("linear_conv_kernel_dim", 4), norm_eps=eps, activation=act,
+    )  # fmt: skip
+    moe = {}
+    if "moe" in kinds:
+        moe = dict(
+            moe_experts=experts, moe_top_k=f.int("num_experts_per_tok", 10),
+            moe_width=f.int("moe_intermediate_size", 512),
+            moe_shared_width=f.int("shared_expert_intermediate_size", 512), moe_shared_gate=True,
+            # softmax over all experts, the best k renormalised = softmax over the best k's logits
+            moe_router="softmax_topk" if f.bool("norm_topk_prob", True) else "softmax_all",
+        )  # fmt: skip
+    return build_config(
+        file, version=2, family="qwen3_next", d_model=d_model, n_layers=len(kinds), layer_kinds=tuple(kinds),
+        vocab_size=f.int("vocab_size", 151936), tie_embeddings=f.bool("tie_word_embeddings", False),
+        rms_eps=eps, attn_heads=heads, attn_kv_heads=f.int("num_key_value_heads", 2), attn_head_dim=head_dim,
+        rope_theta=theta, rope_dim=_rope_dim(head_dim, fraction), attn_qk_norm=True, attn_output_gate=True,
+        mlp_width=f.int("intermediate_size", 5632), mlp_activation=_mlp_activation(f, "hidden_act", "silu"),
+        mlp_gated=True, sections={"gdn": gdn}, **moe,
+    )  # fmt: skip
+
+
+def qwen3_next_finish(data: dict[str, Any], config: MambaConfig, params: dict) -> dict:
+    """Fold Qwen3-Next's zero-centred RMSNorms (x / rms(x) * (1 + w)) into weights 1 + w, in fp32: every
+    sublayer's pre-norm, the final norm and the attention's q / k norms (not the Gated DeltaNet's gated
+    norm, which scales by w)."""
+    del data, config
+
+    def plus_one(w):
+        return np.asarray(w, np.float32) + 1.0
+
+    params["norm_f"] = plus_one(params["norm_f"])
+    for layer in params["layers"]:
+        layer["norm"] = plus_one(layer["norm"])
+        for name in ("q_norm", "k_norm"):
+            if name in layer["mixer"]:
+                layer["mixer"][name] = plus_one(layer["mixer"][name])
+    return params
+
+
+def qwen3_next_tensors(config: MambaConfig, tensors) -> None:
+    """Present Qwen3-Next's interleaved projections in the layout's form, in place: each Gated DeltaNet's
+    in_proj_qkvz / in_proj_ba rows reordered to [q | k | v | z] / [b | a] (``latim_in_proj``,
+    ``latim_ba_proj``), each attention's q_proj rows (per head: query, gate) to [queries | gates]
+    (``latim_q_proj``, read as two halves: q_proj and the output gate g_proj), and each expert's
+    matrices stacked (``mlp.experts.gate_proj`` ...: (E, out, in))."""
+    prefix = next((k[: k.index("model.")] for k in tensors.keys() if "model." in k), "")
+    section = config.section("gdn") if "gdn" in config.kinds else None
+    for k, kind in enumerate(config.kinds):
+        base = f"{prefix}model.layers.{k // 2}."
+        if kind == "gdn":
+            qkvz, ba = qkvz_rows(section), ba_rows(section)
+            for stored, derived, rows in (
+                ("in_proj_qkvz", "latim_in_proj", qkvz),
+                ("in_proj_ba", "latim_ba_proj", ba),
+            ):
+                name = f"{base}linear_attn.{stored}.weight"
+                if name in tensors and tensors.shape(name)[0] != rows.size:
+                    raise CheckpointError(
+                        "wrong shape", file=tensors.file_of(name), key=name,
+                        expected=(rows.size, config.d_model), found=tensors.shape(name),
+                    )  # fmt: skip
+                tensors.derive(f"{base}linear_attn.{derived}.weight", [name], lambda w, rows=rows: w[rows])
+                tensors.consume([name])
+        elif kind == "attention":
+            name = f"{base}self_attn.q_proj.weight"
+            rows = gated_query_rows(config.attn_heads, config.attn_head_dim)
+            if name in tensors and tensors.shape(name)[0] != rows.size:
+                raise CheckpointError(
+                    "wrong shape (a gated q_proj holds each head's query and gate)",
+                    file=tensors.file_of(name), key=name, expected=(rows.size, config.d_model),
+                    found=tensors.shape(name),
+                )  # fmt: skip
+            tensors.derive(f"{base}self_attn.latim_q_proj.weight", [name], lambda w, rows=rows: w[rows])
+            tensors.consume([name])
+        elif kind == "moe":  # each expert's matrices stored apart: stacked into (E, out, in)
+            for part in ("gate_proj", "up_proj", "down_proj"):
+                names = [f"{base}mlp.experts.{e}.{part}.weight" for e in range(config.moe_experts)]
+                tensors.stack(f"{base}mlp.experts.{part}", names)
+
+
 READERS = {
     "nemotron_h": nemotron_h_config,
     "bamba": bamba_config,
@@ -705,9 +842,10 @@ READERS = {
     "jamba": jamba_config,
     "falcon_h1": falcon_h1_config,
     "zamba2": zamba2_config,
+    "qwen3_next": qwen3_next_config,
 }
 # after the weights are read: what a family folds into them
-FINISH = {"granitemoehybrid": granite_finish, "falcon_h1": falcon_h1_finish}
+FINISH = {"granitemoehybrid": granite_finish, "falcon_h1": falcon_h1_finish, "qwen3_next": qwen3_next_finish}
 
 
 def prepare_tensors(config: MambaConfig, tensors, data: dict[str, Any]) -> None:
@@ -716,6 +854,9 @@ def prepare_tensors(config: MambaConfig, tensors, data: dict[str, Any]) -> None:
     tied blocks and adapters: :func:`zamba2_tensors`). ``data``: the parsed config.json."""
     if config.family == "zamba2":
         zamba2_tensors(config, tensors, data)
+        return
+    if config.family == "qwen3_next":
+        qwen3_next_tensors(config, tensors)
         return
     if config.family not in ("nemotron_h", "jamba") or "moe" not in config.kinds:
         return

@@ -212,8 +212,54 @@ ZAMBA2 = Naming(
     sublayer=_zamba2_sublayer, mixers={**MIXER_NAMES, "shared": _SHARED}, root="model.",
 )  # fmt: skip
 
+
+def _qwen3_next_sublayer(k: int, kind: str, kinds: tuple) -> tuple[str, str]:
+    """Qwen3-Next: 2i the token mixer (linear_attn. or self_attn.), 2i + 1 the feed-forward (mlp.)."""
+    i = k // 2
+    if k % 2:
+        return f"model.layers.{i}.post_attention_layernorm.weight", f"model.layers.{i}.mlp."
+    module = "linear_attn." if kind == "gdn" else "self_attn."
+    return f"model.layers.{i}.input_layernorm.weight", f"model.layers.{i}." + module
+
+
+# the Gated DeltaNet's and the gated attention's interleaved projections are reordered on reading
+# (convert.hybrids.qwen3_next_tensors: latim_in_proj, latim_ba_proj, latim_q_proj)
+_QWEN3_NEXT_GDN = {
+    "in_proj": ("latim_in_proj.weight", LINEAR),
+    "ba_proj": ("latim_ba_proj.weight", LINEAR),
+    "conv_w": ("conv1d.weight", CONV),
+    "conv_b": ("conv1d.bias", SAME),
+    "dt_bias": ("dt_bias", SAME),
+    "A_log": ("A_log", SAME),
+    "norm_w": ("norm.weight", SAME),
+    "out_proj": ("out_proj.weight", LINEAR),
+}
+_QWEN3_NEXT_ATTENTION = {name: v for name, v in _ATTENTION.items() if name != "q_b"} | {
+    "q_proj": ("latim_q_proj.weight", GATE_HALF),
+    "g_proj": ("latim_q_proj.weight", UP_HALF),
+    "q_norm": ("q_norm.weight", SAME),
+    "k_norm": ("k_norm.weight", SAME),
+}
+_QWEN3_NEXT_MOE = {
+    "router": ("gate.weight", LINEAR),
+    "experts_gate": ("experts.gate_proj", STACKED),
+    "experts_up": ("experts.up_proj", STACKED),
+    "experts_down": ("experts.down_proj", STACKED),
+    "shared_gate": ("shared_expert.gate_proj.weight", LINEAR),
+    "shared_up": ("shared_expert.up_proj.weight", LINEAR),
+    "shared_down": ("shared_expert.down_proj.weight", LINEAR),
+    "shared_expert_gate": ("shared_expert_gate.weight", LINEAR),
+}
+QWEN3_NEXT = Naming(
+    embedding=("model.embed_tokens.weight",), norm_f="model.norm.weight", sublayer=_qwen3_next_sublayer,
+    mixers={**MIXER_NAMES, "gdn": _QWEN3_NEXT_GDN, "attention": _QWEN3_NEXT_ATTENTION,
+            "moe": _QWEN3_NEXT_MOE},
+    root="model.",
+)  # fmt: skip
+
 NAMINGS = {
     "bamba": BAMBA, "granitemoehybrid": GRANITE, "jamba": JAMBA, "falcon_h1": FALCON_H1, "zamba2": ZAMBA2,
+    "qwen3_next": QWEN3_NEXT,
 }  # fmt: skip
 
 

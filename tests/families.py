@@ -209,6 +209,41 @@ def zamba2(
     return model
 
 
+def qwen3_next(
+    *, seed=0, vocab=48, d_model=16, n_layers=4, interval=2, k_heads=2, v_heads=4, k_dim=8, v_dim=6,
+    heads=2, kv_heads=1, head_dim=8, experts=4, top_k=2, mlp_only=(1,), norm_topk=True, tied=False,
+    rope_fraction=0.25,
+):  # fmt: skip
+    """transformers' Qwen3NextForCausalLM: Gated DeltaNet layers with a full (gated, q/k-normed, partially
+    rotary) attention every ``interval``, routed experts with a sigmoid-gated shared expert, a SwiGLU MLP
+    at ``mlp_only``; the zero-centred norms, the gated norm, dt_bias and the router perturbed."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen3NextConfig(
+        vocab_size=vocab, hidden_size=d_model, num_hidden_layers=n_layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=24, linear_num_key_heads=k_heads,
+        linear_num_value_heads=v_heads, linear_key_head_dim=k_dim, linear_value_head_dim=v_dim,
+        num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=12,
+        shared_expert_intermediate_size=10, mlp_only_layers=list(mlp_only), norm_topk_prob=norm_topk,
+        tie_word_embeddings=tied, full_attention_interval=interval,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": rope_fraction},
+    )  # fmt: skip
+    model = transformers.Qwen3NextForCausalLM(cfg)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                offset = 1.0 if "linear_attn.norm" in name else 0.0  # the gated norm scales by w, not 1 + w
+                p.copy_(offset + 0.3 * torch.randn(p.shape, generator=g))
+            elif name.endswith("dt_bias"):
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+            elif name.endswith(("mlp.gate.weight", "experts.gate_up_proj", "experts.down_proj")):
+                p.normal_(0, 0.3, generator=g)
+    return model.eval()
+
+
 BUILDERS = {
     "zamba2": zamba2,
     "falcon_h1": falcon_h1,
@@ -217,4 +252,5 @@ BUILDERS = {
     "bamba": bamba,
     "falcon_mamba": falcon_mamba,
     "nemotron_h": nemotron_h,
+    "qwen3_next": qwen3_next,
 }

@@ -45,6 +45,7 @@ class AttentionFactors(Factors):
     v: jax.Array
     lse: jax.Array
     mask: jax.Array
+    gate: jax.Array | None
     W_out: jax.Array
     bias: jax.Array
     output: jax.Array
@@ -62,14 +63,14 @@ class AttentionFactors(Factors):
         return jnp.exp(s - self.lse[:, :, rows][..., None])
 
     def pair_values(self, rows, j0, width: int, blocks: Blocks, *, channels_first: bool = False):
-        """V_{ij} = concat_h(alpha^h_{ij} v^{g(h)}_j): (b, r, width, H a)."""
+        """V_{ij} = concat_h(alpha^h_{ij} v^{g(h)}_j) (* gate_i with an output gate): (b, r, width, H a)."""
         del blocks, channels_first
         alpha = self.weights(rows, j0, width)
         b, H, r, w = alpha.shape
         G, a = self.v.shape[2:]
         v = jnp.take(self.v, j0 + jnp.arange(width), axis=1, mode="fill", fill_value=0)
-        V = jnp.einsum("bgqrw,bwga->brwgqa", alpha.reshape(b, G, H // G, r, w), v)
-        return V.reshape(b, r, w, H * a)
+        V = jnp.einsum("bgqrw,bwga->brwgqa", alpha.reshape(b, G, H // G, r, w), v).reshape(b, r, w, H * a)
+        return V if self.gate is None else V * self.gate[:, rows][:, :, None, :]
 
     def attention_map(self, rows, j0, width: int):
         """The forward's attention weights averaged over heads, (b, r, width): this kind's hidden
@@ -89,10 +90,13 @@ def factors(
     )
     W_out = mixer.o_proj[...].astype(f32)
     vb = mixer.value_bias()
-    bias = linear(vb, W_out, mixer._get("o_b"))
+    gate = inter.gate  # held at the target: o_i = (sum_j alpha_ij v_j + vb) * gate_i W_o
+    gated = (lambda x: x) if gate is None else (lambda x: x * gate)
+    bias = linear(gated(jnp.broadcast_to(vb, inter.attn.shape)), W_out, mixer._get("o_b"))
     dtype = mixer.o_proj[...].dtype
     if dtype != f32:  # the forward rounds the heads' output to the weight dtype before W_o: no token's
-        bias = bias + linear(inter.attn.astype(dtype).astype(f32) - inter.attn, W_out)
+        y = gated(inter.attn)
+        bias = bias + linear(y.astype(dtype).astype(f32) - y, W_out)
     bias = jnp.broadcast_to(bias, h.shape)
     return AttentionFactors(
         window=block.config.sliding_window,
@@ -101,9 +105,10 @@ def factors(
         v=inter.v,
         lse=inter.lse,
         mask=mask,
+        gate=gate,
         W_out=W_out,
         bias=bias,
         output=mixer.output(inter),
         h=h.astype(f32),
-        token_total=linear(inter.attn - vb, W_out) if with_total else None,
+        token_total=linear(gated(inter.attn - vb), W_out) if with_total else None,
     )

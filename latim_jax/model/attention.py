@@ -2,8 +2,10 @@
 module (shape letters: see latim_jax.model.config; H query heads, G key/value heads, a head dim).
 
     q = xhat W_q (+ b_q), k = xhat W_k (+ b_k), v = xhat W_v (+ b_v)        rotary on q, k when rope_theta
+    (attn_qk_norm: q and k RMS-normalised per head, weights q_norm / k_norm, before the rotary)
     alpha^h_{ij} = softmax_j(scale * q^h_i . k^{g(h)}_j) over the allowed sources j of i
-    o_i = concat_h(sum_j alpha^h_{ij} v^{g(h)}_j) W_o (+ b_o)                 g(h) = h // (H / G)
+    o_i = (concat_h(sum_j alpha^h_{ij} v^{g(h)}_j) * gate_i) W_o (+ b_o)      g(h) = h // (H / G)
+    gate_i = sigmoid(xhat_i W_g) with attn_output_gate (Qwen3-Next), else 1
 
 Allowed sources (:func:`allowed`, the one definition that the forward and the decomposition share):
 j <= i, within the sliding window when there is one, and real (``mask``); a padding target, which
@@ -26,7 +28,7 @@ import jax.numpy as jnp
 
 from latim_jax.kernels import f32
 from latim_jax.model.kind import LayerKind
-from latim_jax.model.layers import linear
+from latim_jax.model.layers import linear, rms_norm
 from latim_jax.model.params import ParamModule
 from latim_jax.parallel.context import XLA, Context
 
@@ -42,7 +44,8 @@ class AttentionIntermediates:
     k: (b, l, G, a) keys after the rotary embedding
     v: (b, l, G, a) values WITHOUT their bias (the bias belongs to no token: sum_j alpha_ij = 1)
     lse: (b, H, l) each row's log-sum-exp of its allowed logits
-    attn: (b, l, H a) the heads' outputs before W_o (value bias included)
+    attn: (b, l, H a) the heads' outputs before the gate and W_o (value bias included)
+    gate: (b, l, H a) the output gate sigmoid(xhat W_g), or None without one
     """
 
     q: jax.Array
@@ -50,6 +53,7 @@ class AttentionIntermediates:
     v: jax.Array
     lse: jax.Array
     attn: jax.Array
+    gate: jax.Array | None = None
 
 
 def allowed(rows, cols, mask, window: int):
@@ -90,7 +94,7 @@ class AttentionMixer(ParamModule):
     window (transformers' eager attention semantics)."""
 
     kind = "attention"
-    NAMES = ("q_proj", "q_b", "k_proj", "k_b", "v_proj", "v_b", "o_proj", "o_b")
+    NAMES = ("q_proj", "q_b", "k_proj", "k_b", "v_proj", "v_b", "o_proj", "o_b", "q_norm", "k_norm", "g_proj")
 
     @property
     def scale(self) -> float:
@@ -106,10 +110,18 @@ class AttentionMixer(ParamModule):
         q = linear(x, self.q_proj[...], self._get("q_b")).reshape(b, l, c.attn_heads, a)
         k = linear(x, self.k_proj[...], self._get("k_b")).reshape(b, l, c.attn_kv_heads, a)
         v = linear(x, self.v_proj[...]).reshape(b, l, c.attn_kv_heads, a)
+        if self._get("q_norm") is not None:
+            q = rms_norm(q, self.q_norm[...], c.rms_eps)
+            k = rms_norm(k, self.k_norm[...], c.rms_eps)
         if c.rope_theta:
             dim = c.rope_dim or a
             q, k = rotary(q, positions, c.rope_theta, dim), rotary(k, positions, c.rope_theta, dim)
         return q * self.scale, k, v
+
+    def gate(self, x):
+        """The output gate sigmoid(x W_g) (..., H a) fp32 for the normalised input x, or None."""
+        g = self._get("g_proj")
+        return None if g is None else jax.nn.sigmoid(linear(x, g))
 
     def value_bias(self):
         """(H a,) the value bias of every query head's group (zeros without a bias)."""
@@ -150,13 +162,16 @@ class AttentionMixer(ParamModule):
         lse, out = jax.lax.map(rows_tile, jnp.arange(n))  # (n, b, H, tile), (n, b, tile, H, a)
         lse = jnp.moveaxis(lse, 0, 2).reshape(b, c.attn_heads, n * tile)[..., :l]
         out = jnp.moveaxis(out, 0, 1).reshape(b, n * tile, -1)[:, :l]
+        gate = self.gate(x)
         if hold_fixed:
             lse = jax.lax.stop_gradient(lse)
-        return AttentionIntermediates(q=q, k=k, v=v, lse=lse, attn=out)
+            gate = None if gate is None else jax.lax.stop_gradient(gate)
+        return AttentionIntermediates(q=q, k=k, v=v, lse=lse, attn=out, gate=gate)
 
     def output(self, inter: AttentionIntermediates):
-        """o = attn W_o (+ b_o), (b, l, d) fp32."""
-        return linear(inter.attn, self.o_proj[...], self._get("o_b"))
+        """o = (attn * gate) W_o (+ b_o), (b, l, d) fp32."""
+        attn = inter.attn if inter.gate is None else inter.attn * inter.gate
+        return linear(attn, self.o_proj[...], self._get("o_b"))
 
     def __call__(self, x, *, mask, ctx: Context = XLA):
         """The sublayer output o (b, l, d) fp32 for the normalised input x (b, l, d)."""
@@ -187,12 +202,15 @@ class AttentionMixer(ParamModule):
         s = logits(q, keys, t[None], cols, real, c.sliding_window)  # (b, H, 1, L)
         alpha = jax.nn.softmax(s, axis=-1).reshape(x_t.shape[0], c.attn_kv_heads, -1, keys.shape[1])
         out = jnp.einsum("bgqw,bwga->bgqa", alpha, values).reshape(x_t.shape[0], -1) + self.value_bias()
+        gate = self.gate(x_t)
+        out = out if gate is None else out * gate
         return linear(out, self.o_proj[...], self._get("o_b")), (keys, values, real, t + 1)
 
 
 def attention_shapes(c) -> dict[str, tuple[int, ...]]:
     """An attention sublayer's parameters: q_proj (d, H a), k_proj and v_proj (d, G a), o_proj (H a, d);
-    q_b, k_b, v_b when ``attn_bias``, o_b (d,) when ``attn_out_bias``."""
+    q_b, k_b, v_b when ``attn_bias``, o_b (d,) when ``attn_out_bias``; q_norm, k_norm (a,) when
+    ``attn_qk_norm``; g_proj (d, H a) when ``attn_output_gate``."""
     d, a = c.d_model, c.attn_head_dim
     out = {
         "q_proj": (d, c.attn_heads * a),
@@ -204,6 +222,10 @@ def attention_shapes(c) -> dict[str, tuple[int, ...]]:
         out.update(q_b=(c.attn_heads * a,), k_b=(c.attn_kv_heads * a,), v_b=(c.attn_kv_heads * a,))
     if c.attn_out_bias:
         out["o_b"] = (d,)
+    if c.attn_qk_norm:
+        out.update(q_norm=(a,), k_norm=(a,))
+    if c.attn_output_gate:
+        out["g_proj"] = (d, c.attn_heads * a)
     return out
 
 
@@ -234,7 +256,19 @@ def attention_memory(c, b: int, length: int, rows: int, cols: int) -> int:
     return attn + b * rows * cols * (H * a + 2 * H + d) * 4
 
 
+def _ones(key, shape, c):
+    del key, c
+    return jnp.ones(shape)
+
+
+def _fan_in(key, shape, c):
+    del c
+    bound = 1.0 / math.sqrt(shape[0])
+    return jax.random.uniform(key, shape, f32, -bound, bound)
+
+
 ATTENTION = LayerKind(
     name="attention", display="attention", module=AttentionMixer, shapes=attention_shapes,
     output_params=("o_proj", "o_b"), check=check_attention, memory=attention_memory, holds_attention=True,
+    init={"q_norm": _ones, "k_norm": _ones, "g_proj": _fan_in},
 )  # fmt: skip

@@ -84,6 +84,8 @@ class MambaConfig:
     rope_theta: float = 0.0  # 0: no rotary embedding
     rope_dim: int = 0  # rotated channels per head (0: the whole head)
     sliding_window: int = 0  # 0: none; else a target attends to at most this many sources (itself included)
+    attn_qk_norm: bool = False  # each query and key head RMS-normalised before the rotary (q_norm, k_norm)
+    attn_output_gate: bool = False  # the heads' output times sigmoid(xhat W_g) before W_o (Qwen3-Next)
     # token-wise MLP sublayers
     mlp_width: int = 0
     mlp_activation: str = "silu"
@@ -100,6 +102,7 @@ class MambaConfig:
     moe_norm_topk: bool = True
     moe_scale: float = 1.0
     moe_latent: int = 0  # Nemotron-H: the routed experts work in a latent width (0: in d_model)
+    moe_shared_gate: bool = False  # the shared expert's output times sigmoid(xhat W_sg) (Qwen3-Next)
     # multipliers (Granite): the token embeddings are scaled by embedding_multiplier (inputs_embeds are
     # h^0 as given), the logits divided by logits_scaling; a residual multiplier is folded into each
     # sublayer's output projection when the checkpoint is read

@@ -39,7 +39,7 @@ class MoEMixer(TokenwiseModule):
     NAMES = (
         "router", "router_bias", "experts_gate", "experts_up", "experts_down",
         "shared_gate", "shared_gate_b", "shared_up", "shared_up_b", "shared_down", "shared_down_b",
-        "latent_in", "latent_in_b", "latent_out", "latent_out_b",
+        "latent_in", "latent_in_b", "latent_out", "latent_out_b", "shared_expert_gate",
     )  # fmt: skip
 
     def routing(self, x):
@@ -85,8 +85,11 @@ class MoEMixer(TokenwiseModule):
             out = linear(out, self.latent_out[...], self._get("latent_out_b"))
         if self._get("shared_up") is not None:
             g = self._get
-            out = out + mlp(x, act, g("shared_up"), g("shared_down"), g("shared_gate"), g("shared_up_b"),
-                            g("shared_down_b"), g("shared_gate_b"))  # fmt: skip
+            shared = mlp(x, act, g("shared_up"), g("shared_down"), g("shared_gate"), g("shared_up_b"),
+                         g("shared_down_b"), g("shared_gate_b"))  # fmt: skip
+            if g("shared_expert_gate") is not None:  # Qwen3-Next: sigmoid(x W_sg) scales the shared expert
+                shared = shared * jax.nn.sigmoid(linear(x, g("shared_expert_gate")))
+            out = out + shared
         return out
 
 
@@ -95,7 +98,8 @@ def moe_shapes(c) -> dict[str, tuple[int, ...]]:
     the correction added for the choice only), experts_up (E, d', f), experts_gate (E, d', f) when gated,
     experts_down (E, f, d') with d' = d, or d' = moe_latent with latent_in (d, d') before the experts and
     latent_out (d', d) after their weighted sum (biases latent_in_b, latent_out_b when ``mlp_bias``); the
-    shared expert shared_up (d, s), shared_gate, shared_down (s, d) and their biases when ``mlp_bias``."""
+    shared expert shared_up (d, s), shared_gate, shared_down (s, d) and their biases when ``mlp_bias``,
+    and its sigmoid gate shared_expert_gate (d, 1) when ``moe_shared_gate``."""
     d, E, f, s = c.d_model, c.moe_experts, c.moe_width, c.moe_shared_width
     lat = c.moe_latent or d
     out = {"router": (d, E), "experts_up": (E, lat, f), "experts_down": (E, f, lat)}
@@ -109,6 +113,8 @@ def moe_shapes(c) -> dict[str, tuple[int, ...]]:
         out["experts_gate"] = (E, lat, f)
     if s:
         out.update(shared_up=(d, s), shared_down=(s, d))
+        if c.moe_shared_gate:
+            out["shared_expert_gate"] = (d, 1)
         if c.mlp_gated:
             out["shared_gate"] = (d, s)
         if c.mlp_bias:
@@ -147,8 +153,15 @@ def check_moe(c) -> None:
         raise ValueError(f"MambaConfig.mlp_activation must be one of {tuple(MLP_ACTIVATIONS)}")
 
 
+def _fan_in(key, shape, c):
+    del c
+    bound = shape[0] ** -0.5
+    return jax.random.uniform(key, shape, f32, -bound, bound)
+
+
 MOE = LayerKind(
     name="moe", display="MoE", module=MoEMixer, shapes=moe_shapes,
     output_params=("experts_down", "shared_down", "shared_down_b"),  # latent MoE: latent_out(_b) instead
     check=check_moe, memory=tokenwise_memory(lambda c: c.moe_width + c.moe_shared_width + c.moe_experts),
+    init={"shared_expert_gate": _fan_in},
 )  # fmt: skip

@@ -209,3 +209,22 @@ def test_the_mixer_equals_transformers_qwen3_next_gated_deltanet():
         want = layer(torch.from_numpy(x)).numpy()
     got = mixer(jnp.asarray(x), mask=jnp.ones((2, 77), bool))
     assert rel_err(got, want) < 1e-5
+
+
+@pytest.mark.torch
+def test_a_qwen3_next_checkpoint_decomposes_exactly(tmp_path):
+    """A tiny Qwen3-Next written by transformers' save_pretrained: every sublayer (Gated DeltaNet, gated
+    attention with q/k norms, experts with a gated shared expert, MLP) conserves in exact mode, and the
+    logit identity, padding and row subsets hold through the whole model."""
+    pytest.importorskip("torch")
+    from families import qwen3_next
+
+    qwen3_next().save_pretrained(tmp_path)
+    model = latim_jax.load(tmp_path)
+    assert set(model.config.kinds) == {"gdn", "attention", "moe", "mlp"}
+    tokens = np.random.default_rng(4).integers(0, model.config.n_tokens, (2, 21))
+    mask = np.ones(tokens.shape, bool)
+    mask[1, :4] = False
+    for layer in range(model.config.n_layers):
+        assert latim_jax.conservation_error(model, tokens, layer, mask=mask) < 2e-6, layer
+    assert_logit_identity_padding_and_rows(model, tokens)

@@ -95,6 +95,14 @@ VARIANTS = {
             types="SMSS",
         ),
     ),  # fmt: skip
+    # Gated DeltaNet (grouped key heads) and gated, q/k-normed attention with a quarter of each head
+    # rotated; routed experts with a sigmoid-gated shared expert, and a dense MLP layer
+    "qwen3_next": ("qwen3_next", {}),
+    # no experts, attention every third layer rotating the whole head, MHA, tied, no renormalised top-k
+    "qwen3_next_dense": (
+        "qwen3_next",
+        dict(experts=0, interval=3, n_layers=3, tied=True, mlp_only=(), kv_heads=2, rope_fraction=1.0),
+    ),
     "bamba": ("bamba", {}),
     # attention first and last, biases everywhere, tied, the whole head rotated, one group
     "bamba_bias_tied": (
@@ -160,7 +168,7 @@ def test_logits_and_streams_match_transformers(family_dir, name):
 @pytest.mark.parametrize(
     "name",
     ["nemotron_h_moe", "nemotron_h_mha", "falcon_mamba", "bamba_bias_tied", "granitemoehybrid", "jamba",
-     "falcon_h1_plain", "zamba2_plain"],
+     "falcon_h1_plain", "zamba2_plain", "qwen3_next"],
 )  # fmt: skip
 def test_padded_batch_equals_each_prompt_alone_and_transformers(family_dir, name):
     path, ref = family_dir(name)
@@ -178,7 +186,17 @@ def test_padded_batch_equals_each_prompt_alone_and_transformers(family_dir, name
 
 
 @pytest.mark.parametrize(
-    "name", ["nemotron_h_moe", "falcon_mamba", "bamba", "granitemoehybrid", "jamba", "falcon_h1", "zamba2"]
+    "name",
+    [
+        "nemotron_h_moe",
+        "falcon_mamba",
+        "bamba",
+        "granitemoehybrid",
+        "jamba",
+        "falcon_h1",
+        "zamba2",
+        "qwen3_next",
+    ],
 )
 def test_generation_equals_the_full_forward(family_dir, name):
     path, _ = family_dir(name)
@@ -234,6 +252,11 @@ def _without(model, **changes):
         ("zamba2", dict(attn_scale=0.0)),  # 1 / sqrt(a) instead of (a / 2)^-1/2
         ("zamba2", dict(rope_theta=0.0)),  # the shared attention's rotary skipped
         ("zamba2", dict(mlp_activation="silu")),  # not GELU
+        ("qwen3_next", dict(attn_output_gate=False)),  # the attention's sigmoid output gate dropped
+        ("qwen3_next", dict(attn_qk_norm=False)),  # no per-head q / k norms
+        ("qwen3_next", dict(moe_shared_gate=False)),  # the shared expert ungated
+        ("qwen3_next", dict(rope_dim=0)),  # the whole head rotated instead of a quarter
+        ("qwen3_next", dict(moe_router="softmax_all")),  # the top-k not renormalised
     ],
 )
 def test_parity_fails_without_a_family_feature(family_dir, name, changes):
@@ -290,6 +313,25 @@ def test_the_residual_multiplier_is_folded(family_dir, monkeypatch):
     logits, _ = reference(ref, tokens)
     assert rel_err(latim_jax.load(path)(tokens), logits) < TOL
     monkeypatch.setitem(hybrids.FINISH, "granitemoehybrid", lambda data, config, params: params)
+    assert rel_err(latim_jax.load(path)(tokens), logits) > 10 * TOL
+
+
+def test_qwen3_next_zero_centred_norms_are_folded_and_long_prompts_cross_the_chunk(family_dir, monkeypatch):
+    """Qwen3-Next's RMSNorms scale by 1 + w: read without the fold, parity fails. A prompt of 77 tokens
+    (past the Gated DeltaNet's chunk of 64, not a multiple of it), left-padded in a batch, matches
+    transformers' logits on the prompt alone."""
+    from latim_jax.convert import hybrids
+
+    path, ref = family_dir("qwen3_next")
+    tokens = np.random.default_rng(8).integers(0, 48, (2, 77))
+    mask = np.ones(tokens.shape, bool)
+    mask[1, :6] = False
+    model = latim_jax.load(path)
+    logits, _ = reference(ref, tokens)
+    assert rel_err(model(tokens), logits) < TOL
+    alone, _ = reference(ref, tokens[1:, 6:])
+    assert rel_err(np.asarray(model(tokens, mask=mask))[1, 6:], alone[0]) < TOL
+    monkeypatch.setitem(hybrids.FINISH, "qwen3_next", lambda data, config, params: params)
     assert rel_err(latim_jax.load(path)(tokens), logits) > 10 * TOL
 
 
@@ -363,13 +405,15 @@ def test_nemotron_h_experts_are_stacked_in_order(family_dir, tmp_path):
         latim_jax.load(tmp_path)
 
 
-@pytest.mark.parametrize("family", ["nemotron_h", "granitemoehybrid", "falcon_h1", "zamba2"])
+@pytest.mark.parametrize("family", ["nemotron_h", "granitemoehybrid", "falcon_h1", "zamba2", "qwen3_next"])
 def test_bf16_sharded_hybrid_checkpoints(tmp_path, family):
     """bf16 weights in several safetensors shards (experts split across files): transformers' bf16
     logits to bf16 tolerance, and the same weights read as fp32 match the fp32 model to 1e-5."""
     # Zamba2 without rotary: its bf16 copy rounds the rotary's inv_freq buffer to bf16 and .float() keeps
     # that (5e-4 off the fp32 model through the shared attention; 1e-6 without rotary)
-    kw = {"nemotron_h": dict(pattern="M*E-"), "zamba2": dict(rope=False)}.get(family, {})
+    # Qwen3-Next without experts: torch's bf16 grouped matmul refuses the tiny experts' strides
+    kw = {"nemotron_h": dict(pattern="M*E-"), "zamba2": dict(rope=False), "qwen3_next": dict(experts=0)}
+    kw = kw.get(family, {})
     ref = BUILDERS[family](**kw)
     ref16 = ref.to(torch.bfloat16)
     ref16.save_pretrained(tmp_path, max_shard_size="20KB")
@@ -389,7 +433,17 @@ def test_bf16_sharded_hybrid_checkpoints(tmp_path, family):
 
 
 @pytest.mark.parametrize(
-    "name", ["falcon_mamba", "nemotron_h_moe", "bamba", "granitemoehybrid", "jamba", "falcon_h1", "zamba2"]
+    "name",
+    [
+        "falcon_mamba",
+        "nemotron_h_moe",
+        "bamba",
+        "granitemoehybrid",
+        "jamba",
+        "falcon_h1",
+        "zamba2",
+        "qwen3_next",
+    ],
 )
 def test_check_compares_every_family_in_transformers_order(family_dir, name, monkeypatch):
     """`latim-jax check` passes on each family; read in the wrong hidden-state order it fails."""
