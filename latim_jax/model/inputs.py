@@ -33,6 +33,7 @@ def check_tokens(tokens, vocab_size: int) -> jax.Array:
     if is_traced(tokens):
         _check_token_shape(tokens.shape, tokens.dtype)
         return tokens.astype(jnp.int32)
+    _check_equal_lengths(tokens, "tokens")
     t = np.asarray(tokens)
     if t.dtype == object:
         raise ValueError(
@@ -63,19 +64,46 @@ def traced_invalid(ids, mask, vocab_size: int) -> jax.Array | None:
 
 
 def _check_token_shape(shape, dtype) -> None:
+    """Shape before dtype: an empty prompt (``[[]]``) reaches numpy as float64, and its problem is
+    the missing tokens, not the dtype."""
     if len(shape) != 2:
         raise ValueError(f"tokens must have shape (batch, length), found shape {tuple(shape)}")
+    if shape[0] < 1:
+        raise ValueError(
+            f"tokens hold no prompt (batch size 0, shape {tuple(shape)}): expected int ids of shape "
+            "(batch, length) with at least one prompt"
+        )
+    if shape[1] < 1:
+        raise ValueError(
+            f"the prompt is empty: tokens have shape {tuple(shape)}; expected int ids of shape (batch, "
+            "length) with at least one position"
+        )
     if not np.issubdtype(np.dtype(dtype), np.integer):
         raise ValueError(f"tokens must be integer ids, found dtype {dtype}")
-    if shape[0] < 1:
-        raise ValueError("tokens hold no prompt (batch size 0)")
-    if shape[1] < 1:
-        raise ValueError("tokens must hold at least one position (found length 0)")
+
+
+def _check_equal_lengths(x, what: str) -> None:
+    """Refuse a list of prompts of different lengths (numpy would say only "inhomogeneous shape"),
+    naming the lengths and the way to pass them: padded to one length, with ``mask=``."""
+    if isinstance(x, np.ndarray | jax.Array) or not isinstance(x, Sequence) or isinstance(x, str | bytes):
+        return
+    lengths = [len(row) if isinstance(row, Sequence | np.ndarray | jax.Array) else None for row in x]
+    if None in lengths or len(set(lengths)) < 2:
+        return
+    shown = ", ".join(f"prompt {b}: {n}" for b, n in list(enumerate(lengths))[:8])
+    more = f", ... ({len(lengths) - 8} more)" if len(lengths) > 8 else ""
+    raise ValueError(
+        f"{what}: the prompts have different lengths ({shown}{more}); pad them to one length "
+        "(any id inside the vocabulary) and pass mask=, a (batch, length) bool array that is True on "
+        "the real tokens (docs/guide.md, 'Padding and masks')"
+    )
 
 
 def check_embeds(inputs_embeds, d_model: int) -> jax.Array:
     """inputs_embeds (b, l, d_model) float -> fp32 jax array (finite when concrete; concrete values are
     checked and cast on the host, so that no program is compiled for their length)."""
+    if not is_traced(inputs_embeds):
+        _check_equal_lengths(inputs_embeds, "inputs_embeds")
     e = inputs_embeds if is_traced(inputs_embeds) else np.asarray(inputs_embeds)
     if e.ndim != 3 or e.shape[-1] != d_model:
         raise ValueError(f"inputs_embeds must have shape (batch, length, {d_model}), found {tuple(e.shape)}")
@@ -153,7 +181,8 @@ def bucket_pad(x, mask):
 
 
 def check_layers(layers, n_layers: int) -> tuple[int, ...]:
-    """None (all layers), an int, or ints in [-n, n) -> a non-empty tuple of layer indices in [0, n)."""
+    """None (all layers), an int, or ints in [-n, n) -> a non-empty tuple of distinct layer indices in
+    [0, n) (a layer named twice, also as k and k - n, is refused)."""
     if layers is None:
         return tuple(range(n_layers))
     items = _as_int_list(layers, "layers")
@@ -164,11 +193,13 @@ def check_layers(layers, n_layers: int) -> tuple[int, ...]:
         out.append(x % n_layers)
     if not out:
         raise ValueError("layers must name at least one layer")
+    _refuse_repeats(items, out, "layers", "layer")
     return tuple(out)
 
 
 def check_rows(rows, length: int, end: int | None = None) -> tuple[int, ...] | None:
-    """None (all positions), an int, or ints in [-end, l) -> a non-empty tuple of positions in [0, l).
+    """None (all positions), an int, or ints in [-end, l) -> a non-empty tuple of distinct positions in
+    [0, l) (a position named twice, also as a negative and a positive index, is refused).
 
     A negative row counts back from ``end`` (the position after the prompts' last real token; default
     ``length``): -1 is the last real token, not a right padding position."""
@@ -186,7 +217,28 @@ def check_rows(rows, length: int, end: int | None = None) -> tuple[int, ...] | N
         out.append(r if r >= 0 else end + r)
     if not out:
         raise ValueError("rows must name at least one position")
+    _refuse_repeats(items, out, "rows", "position")
     return tuple(out)
+
+
+def _refuse_repeats(given: list[int], resolved: list[int], what: str, unit: str) -> None:
+    """Refuse a selection that names one layer / position twice (its scores would be returned twice),
+    naming the repeated value and, where they differ, the given indices that resolve to it (-1 and
+    n - 1 are one)."""
+    seen: dict[int, list[int]] = {}
+    for g, r in zip(given, resolved, strict=True):
+        seen.setdefault(r, []).append(g)
+    repeated = {r: g for r, g in seen.items() if len(g) > 1}
+    if not repeated:
+        return
+    named = "; ".join(
+        f"{unit} {r}" + ("" if set(g) == {r} else f" (given as {', '.join(map(str, g))})")
+        for r, g in repeated.items()
+    )
+    raise ValueError(
+        f"{what} {given} name the same {unit} more than once ({named}): each {unit} is scored once, so "
+        f"list it once"
+    )
 
 
 def real_end(rows, mask, given: bool, length: int) -> int | None:
