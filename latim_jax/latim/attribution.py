@@ -10,6 +10,7 @@ factors come from its kind (:mod:`latim_jax.latim.kinds`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -24,13 +25,13 @@ from latim_jax.latim import memory
 from latim_jax.latim.baselines import grad_input_scores
 from latim_jax.latim.kinds import check_mode, factors, full_contributions
 from latim_jax.latim.request import LayerJob, Request, check_targets, layer_job, output_precision, request
-from latim_jax.latim.scores import DEFAULT_AGGREGATION, kept_pairs, layer_scores, token_sum
+from latim_jax.latim.scores import kept_pairs, layer_scores, token_sum
 from latim_jax.model.inputs import check_layers, is_traced
 from latim_jax.model.jit import bound_compiled_programs, jit_model_fn
 from latim_jax.model.kind import kind_of
 from latim_jax.model.lm import side_input
 from latim_jax.model.sharding import context
-from latim_jax.parallel.context import Context
+from latim_jax.parallel.context import Context, resolve
 from latim_jax.parallel.mesh import DATA, P, gather, pad_batch, put
 
 
@@ -94,8 +95,9 @@ def contributions(
         if limit is not None:
             check_contributions_fit(model, batch, length, index, limit=limit)
 
-    layer, h, mask, ctx, side = _layer_input(model, tokens, layer, impl, mask, inputs_embeds, fits=fits)
-    return _layer_contributions(model.layers[layer], h, mask, side, mode=mode, ctx=ctx)
+    with forward_mode_needs_xla(resolve(impl).kernels):
+        layer, h, mask, ctx, side = _layer_input(model, tokens, layer, impl, mask, inputs_embeds, fits=fits)
+        return _layer_contributions(model.layers[layer], h, mask, side, mode=mode, ctx=ctx)
 
 
 def _memory_limit(memory_limit) -> int | None:
@@ -107,6 +109,30 @@ def _memory_limit(memory_limit) -> int | None:
     if isinstance(memory_limit, bool) or not isinstance(memory_limit, int | float | np.integer | np.floating):
         raise ValueError(f'memory_limit must be "auto", a number of bytes or None, found {memory_limit!r}')
     return int(memory_limit)
+
+
+# JAX's message when forward-mode differentiation reaches a custom_vjp (the Pallas scans are ones)
+_JVP_OF_CUSTOM_VJP = ("forward-mode", "custom_vjp")
+
+
+@contextlib.contextmanager
+def forward_mode_needs_xla(kernels: bool):
+    """Re-raise JAX's TypeError for forward-mode differentiation (``jax.jvp``, ``jax.jacfwd``,
+    ``jax.linearize``) through a ``custom_vjp`` as one that names the way out, ``impl="xla"``, when the
+    call runs the Pallas kernels (``kernels``): their scans are ``custom_vjp`` functions with Pallas
+    backward kernels and no JVP (docs/kernels.md). Any other error passes through unchanged."""
+    try:
+        yield
+    except TypeError as err:
+        if not kernels or not all(word in str(err) for word in _JVP_OF_CUSTOM_VJP):
+            raise
+        raise TypeError(
+            "forward-mode differentiation (jax.jvp, jax.jacfwd, jax.linearize) cannot go through the "
+            "Pallas scan kernels that this call runs (impl='pallas', or 'auto' on TPU/GPU): they are "
+            "custom_vjp functions with Pallas backward kernels and no JVP. Pass impl='xla' for forward "
+            "mode; reverse mode (jax.grad, jax.vjp, jacrev) works with either (docs/kernels.md). "
+            f"JAX said: {str(err).splitlines()[0]}"
+        ) from err
 
 
 def contributions_estimate(model, batch: int, length: int, layer: int) -> memory.MemoryEstimate:
@@ -179,8 +205,9 @@ def conservation_error(
     in fp32); in paper mode it is the approximation.
     """
     check_mode(mode)
-    layer, h, mask, ctx, side = _layer_input(model, tokens, layer, impl, mask, inputs_embeds)
-    return float(_layer_conservation(model.layers[layer], h, mask, side, mode=mode, ctx=ctx))
+    with forward_mode_needs_xla(resolve(impl).kernels):
+        layer, h, mask, ctx, side = _layer_input(model, tokens, layer, impl, mask, inputs_embeds)
+        return float(_layer_conservation(model.layers[layer], h, mask, side, mode=mode, ctx=ctx))
 
 
 @jit_model_fn(static_argnames=("mode", "ctx"))
@@ -205,7 +232,7 @@ def attribute(
     target=None,
     impl: str = "auto",
     blocks=None,
-    aggregation: str = DEFAULT_AGGREGATION,
+    aggregation: str | None = None,
     inputs_embeds=None,
     mesh=None,
     top_k: int | None = None,
@@ -240,8 +267,9 @@ def attribute(
       impl: "auto" (Pallas kernels on TPU/GPU, XLA on CPU), "xla", or "pallas" (the scan kernels and the
         fused score kernel; interpret mode on CPU).
       blocks: a :class:`latim_jax.Blocks` of tile sizes (None fields: the running path's defaults).
-      aggregation: hidden attention over channels/heads: "minmax" (default), "abs" or "signed" (see
-        :mod:`latim_jax.latim.hidden_attention`); other methods ignore it.
+      aggregation: method "hidden_attention" only, how its map is aggregated over channels/heads:
+        "minmax" (None: the default), "abs" or "signed" (see :mod:`latim_jax.latim.hidden_attention`);
+        given with another method it is refused (ValueError), since no other method reads it.
       inputs_embeds: (B, L, d) embeddings instead of ``tokens`` (then ``result.tokens`` is None).
       mesh: a ``jax.sharding.Mesh`` with axes "data" and/or "model" (see :mod:`latim_jax.parallel.mesh`):
         prompts are split over "data", the layers run model-parallel over "model" and each layer's
@@ -288,6 +316,7 @@ def attribute(
     """
     job = layer_job(method=method, mode=mode, aggregation=aggregation, precision=precision, blocks=blocks,
                     hold_fixed=hold_fixed)  # fmt: skip
+    limit = _memory_limit(memory_limit)  # validated before any work
     ctx = context(model, impl, mesh)
     x = model.prepare_inputs(tokens, mask, inputs_embeds, ctx, bucket=bucket)
     req = request(
@@ -295,8 +324,7 @@ def attribute(
         stream_to=stream_to, progress=progress, rollout_maps=rollout_maps, mask=x.mask[: x.batch],
         given_mask=x.given_mask,
     )  # fmt: skip
-    if memory_limit is not None and not is_traced(x.h):
-        limit = int(memory.available() / memory.AUTO_MARGIN) if memory_limit == "auto" else int(memory_limit)
+    if limit is not None and not is_traced(x.h):
         memory.check_fits(
             model, x.batch, x.h.shape[1], limit=limit, prompt_length=x.length, method=method,
             rows=None if req.rows is None else len(req.rows),
@@ -304,7 +332,8 @@ def attribute(
             top_k=top_k, out_dtype=out_dtype, stream=stream_to is not None, blocks=blocks,
         )  # fmt: skip
     targets = check_targets(target, x.batch, x.length, model.config.n_tokens, padded=x.h.shape[1])
-    result = _run(model, x, req, ctx, targets)
+    with forward_mode_needs_xla(ctx.kernels):
+        result = _run(model, x, req, ctx, targets)
     if not is_traced(x.h):  # never inside a user's transformation
         bound_compiled_programs()
     return result

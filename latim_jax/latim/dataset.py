@@ -514,9 +514,9 @@ def attribute_dataset(
     number = 1 + max((int(s.stem.rsplit("-", 1)[1]) for s in Path(out_dir).glob(f"shard-{process}-*.npz")),
                      default=0)  # fmt: skip
     computed = 0
-    options = dict(
-        method=method, mode=mode, layers=layers, aggregation=aggregation, impl=impl, precision=precision
-    )
+    options = dict(method=method, mode=mode, layers=layers, impl=impl, precision=precision)
+    if method == "hidden_attention":  # attribute refuses an aggregation for the methods that ignore it
+        options["aggregation"] = aggregation
     for batch in progress_bar(batches, desc="attribute-dataset", unit="batch", enabled=progress):
         length = bucket(max(len(p.tokens) for p in batch))
         tokens = np.zeros((len(batch), length), np.int32)

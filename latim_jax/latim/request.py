@@ -18,7 +18,7 @@ import numpy as np
 
 from latim_jax.kernels.block_sizes import Blocks
 from latim_jax.latim.kinds import check_mode
-from latim_jax.latim.scores import AGGREGATIONS, LATIM_METHODS, METHODS, PRECISIONS
+from latim_jax.latim.scores import AGGREGATIONS, DEFAULT_AGGREGATION, LATIM_METHODS, METHODS, PRECISIONS
 from latim_jax.model.inputs import check_layers, check_rows, is_traced, real_end
 
 OUT_DTYPES = ("float32", "bfloat16", "float16")
@@ -57,8 +57,8 @@ class LayerJob:
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """One attribution call: the layer job, the layers (sorted as asked, duplicates kept), the rows
-    (positions in the caller's length, or None for all) and how the scores come back."""
+    """One attribution call: the layer job, the layers (in the order asked, each once), the rows
+    (distinct positions in the caller's length, or None for all) and how the scores come back."""
 
     job: LayerJob
     layers: tuple[int, ...]
@@ -70,13 +70,24 @@ class Request:
 
 
 def layer_job(
-    *, method, mode, aggregation, precision, blocks, hold_fixed, with_alti=False, with_next=False
+    *, method, mode, aggregation=None, precision, blocks, hold_fixed, with_alti=False, with_next=False
 ) -> LayerJob:
-    """A validated :class:`LayerJob` (every check that needs no input)."""
+    """A validated :class:`LayerJob` (every check that needs no input).
+
+    ``aggregation``: None (the default, ``DEFAULT_AGGREGATION``, for "hidden_attention") or one of
+    ``AGGREGATIONS``, which only "hidden_attention" reads: given with another method it is refused
+    rather than silently ignored."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
-    if aggregation not in AGGREGATIONS:
+    if aggregation is not None and aggregation not in AGGREGATIONS:
         raise ValueError(f"aggregation must be one of {AGGREGATIONS}, found {aggregation!r}")
+    if aggregation is not None and method != "hidden_attention":
+        raise ValueError(
+            f"aggregation={aggregation!r} applies to method='hidden_attention' only (how its map is "
+            f"aggregated over channels / heads); method={method!r} does not read it: leave aggregation "
+            "unset (None)"
+        )
+    aggregation = DEFAULT_AGGREGATION if aggregation is None else aggregation
     check_mode(mode)
     if blocks is not None and not isinstance(blocks, Blocks):
         raise ValueError(f"blocks must be a latim_jax.Blocks, found {type(blocks).__name__}")

@@ -631,3 +631,62 @@ def test_mamba1_minmax_row_subset_warns_that_it_costs_the_whole_map(monkeypatch)
             warnings.simplefilter("always")
             latim_jax.attribute(model, tok, **kw, **extra)
         assert not ours(caught), extra
+
+
+def test_input_errors_name_the_problem_and_the_way_to_pass_it():
+    """An empty prompt, prompts of different lengths, an aggregation for a method that does not read it,
+    a layer or row named twice and an unreadable memory_limit are each refused with a message naming
+    the problem (not numpy's or int()'s words, not silently ignored or returned twice)."""
+    model = make("m1")
+    t = tokens(batch=1, length=5)
+    with pytest.raises(ValueError, match=r"the prompt is empty: tokens have shape \(1, 0\)"):
+        latim_jax.attribute(model, [[]])
+    with pytest.raises(ValueError, match=r"different lengths \(prompt 0: 3, prompt 1: 2\).*pad.*mask="):
+        latim_jax.attribute(model, [[1, 2, 3], [1, 2]])
+    with pytest.raises(ValueError, match="different lengths"):
+        model([[1, 2], [3]])
+    with pytest.raises(ValueError, match=r"inputs_embeds: the prompts have different lengths"):
+        latim_jax.attribute(model, inputs_embeds=[np.zeros((3, 16)), np.zeros((2, 16))])
+    for method in ("l2", "alti", "logit", "grad_input"):
+        with pytest.raises(
+            ValueError, match=f"aggregation='minmax' applies to method='hidden_attention' only.*{method}"
+        ):
+            latim_jax.attribute(model, t, method=method, aggregation="minmax")
+    a = latim_jax.attribute(model, t, method="hidden_attention", aggregation="abs", layers=[0], rows=[4])
+    assert a.aggregation == "abs"
+    assert (
+        latim_jax.attribute(model, t, method="hidden_attention", layers=[0], rows=[4]).aggregation == "minmax"
+    )
+    with pytest.raises(ValueError, match=r"layers \[1, 1\] name the same layer more than once \(layer 1\)"):
+        latim_jax.attribute(model, t, method="l2", layers=[1, 1])
+    with pytest.raises(ValueError, match=r"layer 1 \(given as 1, -1\)"):
+        latim_jax.attribute(model, t, method="l2", layers=[1, -1])
+    with pytest.raises(
+        ValueError, match=r"rows \[2, 2\] name the same position more than once \(position 2\)"
+    ):
+        latim_jax.attribute(model, t, method="l2", rows=[2, 2])
+    with pytest.raises(ValueError, match=r"position 4 \(given as -1, 4\)"):
+        latim_jax.attribute(model, t, method="l2", rows=[-1, 4])
+    with pytest.raises(
+        ValueError, match="memory_limit must be \"auto\", a number of bytes or None, found 'lots'"
+    ):
+        latim_jax.attribute(model, t, method="l2", memory_limit="lots")
+
+
+def test_forward_mode_through_the_pallas_scans_names_impl_xla():
+    """jax.jvp through attribute / contributions with impl="pallas" stops at the scans' custom_vjp; the
+    error says forward mode needs impl="xla" (and impl="xla" differentiates forward)."""
+    model = make("m2")
+    x = model.forward(tokens(batch=1, length=4)).residuals[0]
+
+    def scores(e, impl):
+        return latim_jax.attribute(
+            model, inputs_embeds=e, method="l2", layers=[0], rows=[3], impl=impl
+        ).scores
+
+    with pytest.raises(TypeError, match=r"forward-mode differentiation .* Pass impl='xla' for forward mode"):
+        jax.jvp(lambda e: scores(e, "pallas"), (x,), (jnp.ones_like(x),))
+    with pytest.raises(TypeError, match=r"Pass impl='xla'"):
+        jax.jvp(lambda e: latim_jax.contributions(model, inputs_embeds=e, impl="pallas").T, (x,), (x,))
+    _, tangent = jax.jvp(lambda e: scores(e, "xla"), (x,), (jnp.ones_like(x),))
+    assert np.isfinite(np.asarray(tangent)).all()
