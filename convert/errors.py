@@ -42,8 +42,12 @@ def _format(problem: str, file: str | None, key: str | None, expected: Any, foun
         parts.append(f"key {key!r}:")
     parts.append(problem)
     message = " ".join(parts)
-    if expected is not None or found is not None:
+    if expected is not None and found is not None:
         message += f" (expected {_show(expected)}, found {_show(found)})"
+    elif expected is not None:  # nothing found to show: "found None" would say nothing
+        message += f" (expected {_show(expected)})"
+    elif found is not None:
+        message += f" (found {_show(found)})"
     return message
 
 

@@ -2,9 +2,11 @@
 
 Formats, by the file that marks them:
     latim_config.json                          latim-jax's own orbax checkpoint (:mod:`.orbax_io`)
-    config.json with model_type mamba/mamba2   Hugging Face (:mod:`.hf`)
+    config.json with model_type in MODEL_TYPES Hugging Face (:mod:`.hf`: mamba, mamba2, falcon_mamba
+                                               and the families of :mod:`.hybrids`)
     config.json with d_model and n_layer       original mamba_ssm (:mod:`.mamba_ssm`)
     params.json                                Codestral-style / mistral-inference (:mod:`.codestral`)
+:func:`expected_contents` spells this out (with the weight files) for a directory that holds none.
 A directory holding both a Hugging Face and a Codestral layout (as the Codestral hub repository does)
 is read as Hugging Face when its weights are there, else as Codestral.
 """
@@ -66,19 +68,29 @@ def detect_format(path: str | Path) -> str:
     candidates = _candidates(path)
     if not candidates:
         raise CheckpointError(
-            "no checkpoint config found",
-            file=path,
-            expected=(
-                f"{orbax_io.CONFIG_FILE} (latim-jax), {hf.CONFIG_FILE} with model_type mamba/mamba2 "
-                f"(Hugging Face) or with d_model and n_layer (mamba_ssm), "
-                f"or {codestral.CONFIG_FILE} (Codestral)"
-            ),
+            "no checkpoint config found", file=path, expected=expected_contents(),
             found=sorted(p.name for p in path.iterdir()) or "an empty directory",
-        )
+        )  # fmt: skip
     for fmt in candidates:
         if any(all((path / name).is_file() for name in group) for group in _WEIGHTS[fmt]):
             return fmt
     return candidates[0]  # its reader reports the missing weight files
+
+
+def expected_contents() -> str:
+    """What a model directory must hold, one entry per format and every Hugging Face model_type read
+    (for the message of a directory that holds none of them)."""
+
+    def weights(fmt: str) -> str:
+        return " or ".join(" + ".join(group) for group in _WEIGHTS[fmt])
+
+    return (
+        f"one of: {orbax_io.CONFIG_FILE} (a latim-jax checkpoint: a shipped model or `latim-jax convert` "
+        f"output); {hf.CONFIG_FILE} with model_type one of {', '.join(sorted(hf.MODEL_TYPES))} (Hugging "
+        f"Face) and its weights, {weights('hf')}; {mamba_ssm.CONFIG_FILE} with d_model and n_layer "
+        f"(mamba_ssm) and {weights('mamba_ssm')}; {codestral.CONFIG_FILE} (Codestral / mistral-inference) "
+        f"and {weights('codestral')}"
+    )
 
 
 def _candidates(path: Path) -> list[str]:

@@ -389,31 +389,46 @@ def _torch_load(path: Path) -> dict[str, Any]:
 
 
 def _diagnose_safetensors(path: Path, err: Exception) -> CheckpointError:
-    """Say why safetensors refused a file: truncated (naming the first tensor cut off) or corrupt."""
+    """Say why safetensors refused a file, naming it: truncated (shorter than its header says, with the
+    first tensor cut off) or corrupt (an unreadable header), with safetensors' own words last. The
+    sentence says what was expected and found; the error's attributes hold them too."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
         n = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if n < 0 or n > size - 8:
-            return CheckpointError(
-                "truncated or corrupt safetensors file: the header does not fit in the file",
-                file=path.name,
-                expected=f"{'at least 8' if n < 0 else 8 + n} bytes of header",
-                found=f"{size} bytes",
-            )
+        if n < 0:
+            return _truncated(
+                path, f"{size} bytes, shorter than the 8-byte header length that opens a safetensors file",
+                expected="at least 8 bytes", size=size,
+            )  # fmt: skip
+        if n > size - 8:
+            return _truncated(
+                path, f"its first 8 bytes announce a {n}-byte header, which does not fit in the file's "
+                f"{size} bytes", expected=f"at least {8 + n} bytes", size=size,
+            )  # fmt: skip
         try:
             header = json.loads(f.read(n))
             ends = {k: int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"}
         except (ValueError, TypeError, KeyError, IndexError, AttributeError):
-            return CheckpointError(f"corrupt safetensors file: unreadable header ({err})", file=path.name)
+            return CheckpointError(
+                f"corrupt safetensors file: its {n}-byte header is not the JSON table of tensors "
+                f"(safetensors: {err})",
+                file=path.name,
+            )
     needed = 8 + n + max(ends.values(), default=0)
     if needed > size:
         cut = min((k for k, end in ends.items() if 8 + n + end > size), key=lambda k: ends[k])
-        return CheckpointError(
-            "truncated safetensors file (first tensor cut off named)",
-            file=path.name,
-            key=cut,
-            expected=f"{needed} bytes (from its header)",
-            found=f"{size} bytes",
-        )
-    return CheckpointError(f"corrupt safetensors file ({err})", file=path.name)
+        return _truncated(
+            path, f"its header describes {needed} bytes, the file has {size}, so tensor {cut!r} and "
+            "those stored after it are cut off", expected=f"{needed} bytes", size=size, key=cut,
+        )  # fmt: skip
+    return CheckpointError(f"corrupt safetensors file (safetensors: {err})", file=path.name)
+
+
+def _truncated(path: Path, why: str, *, expected: str, size: int, key: str | None = None) -> CheckpointError:
+    """A truncated (or corrupt) safetensors file: one sentence, the parts kept as attributes."""
+    error = CheckpointError(
+        f"truncated or corrupt safetensors file: {why} (copy or download it again)", file=path.name
+    )
+    error.key, error.expected, error.found = key, expected, f"{size} bytes"
+    return error

@@ -53,8 +53,12 @@ def resolve(source: str | os.PathLike | None) -> Path:
             )
         return path.resolve()
     text = os.fspath(source)
-    if "/" in text and Path(text.split("/")[0]).expanduser().is_dir():  # "runs/x" with a local runs/
-        raise SourceUnavailableError("no such checkpoint directory", file=source, expected="a directory")
+    if _looks_like_path(text):  # "/abs/x", "./x", "~/x", or "runs/x" with a local runs/
+        raise SourceUnavailableError(
+            f"no such checkpoint directory: {str(path.absolute())!r} does not exist (relative paths are "
+            f"relative to the current directory, {os.getcwd()!r})",
+            file=source,
+        )
     close = difflib.get_close_matches(text, SHIPPED, n=2, cutoff=0.75)
     if close or "/" not in text:
         hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
@@ -64,6 +68,15 @@ def resolve(source: str | os.PathLike | None) -> Path:
             file=source,
         )
     return Path(resolve_source(text)).resolve()
+
+
+def _looks_like_path(text: str) -> bool:
+    """Whether a source that does not exist was meant as a local path, not a hub id "owner/name": it is
+    absolute, starts with "~" or ".", names the platform's separator where it is not "/", or its first
+    component is an existing local directory (a mistyped "runs/x")."""
+    if os.path.isabs(text) or text.startswith(("~", ".")) or (os.sep != "/" and os.sep in text):
+        return True
+    return "/" in text and Path(text.split("/")[0]).expanduser().is_dir()
 
 
 def load(source: str | os.PathLike | None = None, dtype=None) -> MambaLM:

@@ -288,7 +288,20 @@ def test_truncated_safetensors(tmp_path):
     file.write_bytes(data[: len(data) * 2 // 3])
     with pytest.raises(CheckpointError) as err:
         read_checkpoint(tmp_path / "ck")
-    assert_names(err.value, "model.safetensors", "key '", f"{len(data)} bytes", f"{len(data) * 2 // 3} bytes")
+    size = len(data) * 2 // 3
+    assert str(err.value).startswith(
+        f"model.safetensors: truncated or corrupt safetensors file: its header describes {len(data)} "
+        f"bytes, the file has {size}, so tensor '{err.value.key}' and those stored after it are cut off"
+    ), str(err.value)
+    assert err.value.expected == f"{len(data)} bytes" and err.value.found == f"{size} bytes"
+    file.write_bytes(data[:100])  # the header itself cut: the file's size, not "bytes of header"
+    with pytest.raises(CheckpointError) as err:
+        read_checkpoint(tmp_path / "ck")
+    n = int.from_bytes(data[:8], "little")
+    assert str(err.value) == (
+        f"model.safetensors: truncated or corrupt safetensors file: its first 8 bytes announce a {n}-byte "
+        "header, which does not fit in the file's 100 bytes (copy or download it again)"
+    )
 
 
 def test_corrupt_safetensors_header(tmp_path):
