@@ -8,7 +8,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from latim_jax.model.kind import display_name
+from latim_jax.model.kind import display_name, kind_of
 from latim_jax.tasks import vocab
 from latim_jax.tasks.registry import TASK_FIELDS
 
@@ -28,12 +28,16 @@ def summary(model, path=None) -> str:
     c = model.config
     lines = [f"model: {model.source}" + (f" ({path})" if path else "")]
     family = f"{c.family}: " if c.family else ""
-    arch = f"{family}Mamba-{c.version}, {c.n_layers} layers, d_model {c.d_model}, inner width {c.d_inner}"
-    arch += f", state {c.d_state}, conv width {c.d_conv}, activation {c.activation}"
-    if c.version == 1:
-        arch += f", dt rank {c.dt_rank}"
+    if any(kind_of(k).version is not None for k in c.kinds):  # a Mamba mixer somewhere: its fields
+        arch = f"{family}Mamba-{c.version}, {c.n_layers} layers, d_model {c.d_model}, inner width {c.d_inner}"
+        arch += f", state {c.d_state}, conv width {c.d_conv}, activation {c.activation}"
+        if c.version == 1:
+            arch += f", dt rank {c.dt_rank}"
+        else:
+            arch += f", {c.n_heads} heads x head dim {c.head_dim}, {c.n_groups} group(s)"
+            arch += f", chunk {c.chunk_size}"
     else:
-        arch += f", {c.n_heads} heads x head dim {c.head_dim}, {c.n_groups} group(s), chunk {c.chunk_size}"
+        arch = f"{family}{c.n_layers} sublayers, d_model {c.d_model} (no Mamba mixer)"
     lines.append(f"architecture: {arch}")
     count, nbytes = parameter_counts(model.params())
     sizes = ", ".join(f"{name} {_bytes(n)}" for name, n in sorted(nbytes.items()))
@@ -50,8 +54,15 @@ def summary(model, path=None) -> str:
         if "mlp" in c.kinds:
             gated = "gated " if c.mlp_gated else ""
             arch += f"; {gated}MLP width {c.mlp_width}, {c.mlp_activation}"
+        for name, section in c.sections:  # a kind's own settings (Gated DeltaNet: heads, dims, conv)
+            fields = ", ".join(f"{k} {v}" for k, v in dataclasses.asdict(section).items())
+            arch += f"; {display_name(name)} {fields}"
+        if c.attn_qk_norm or c.attn_output_gate:
+            arch += "; attention" + (" q/k RMSNorm" if c.attn_qk_norm else "")
+            arch += " output gate" if c.attn_output_gate else ""
         if "moe" in c.kinds:
             shared = f", shared expert width {c.moe_shared_width}" if c.moe_shared_width else ""
+            shared += " (sigmoid-gated)" if c.moe_shared_gate else ""
             experts = f"{c.moe_experts} experts (top {c.moe_top_k}, {c.moe_router})"
             arch += f"; {experts} of width {c.moe_width}{shared}"
         lines.append(f"  sublayers: {arch.lstrip('; ')}")

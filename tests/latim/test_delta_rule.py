@@ -11,6 +11,7 @@ import pytest
 from conftest import assert_l2_vmap_and_gradient, assert_logit_identity_padding_and_rows, rel_err
 
 import latim_jax
+from latim_jax.cli.info import summary
 from latim_jax.convert.delta_rule import qwen3_next_gdn
 from latim_jax.kernels import delta_rule
 from latim_jax.latim.kinds import layer_factors
@@ -104,6 +105,18 @@ def test_the_config_section_is_checked():
     with pytest.raises(ValueError, match=r"layer kind 'gdn' needs its config section"):
         latim_jax.MambaConfig(version=2, d_model=16, n_layers=1, vocab_size=40, layer_kinds=("gdn",))
     assert latim_jax.MambaConfig.from_dict(CONFIG.to_dict()) == CONFIG
+
+
+def test_info_names_the_kind_and_its_section():
+    """`latim-jax info` on a model without a Mamba mixer prints no Mamba fields, and prints the gdn
+    section and the attention's options."""
+    cfg = latim_jax.MambaConfig(
+        version=2, d_model=16, n_layers=2, vocab_size=40, layer_kinds=("gdn", "attention"), attn_heads=2,
+        attn_kv_heads=1, attn_head_dim=8, attn_output_gate=True, sections={"gdn": SECTION},
+    )  # fmt: skip
+    text = summary(latim_jax.MambaLM(cfg, init_params(cfg, 0)))
+    assert "no Mamba mixer" in text and "state" not in text.splitlines()[1], text
+    assert "Gated DeltaNet k_heads 2, v_heads 4, k_dim 8, v_dim 6" in text and "output gate" in text, text
 
 
 @pytest.fixture(scope="module")

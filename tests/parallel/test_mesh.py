@@ -38,6 +38,15 @@ SCRIPT = textwrap.dedent(
         "s": MambaConfig(version=2, d_model=16, n_layers=2, vocab_size=32, d_state=4, head_dim=4, n_groups=2,
                          chunk_size=4, layer_kinds=("shared", "mamba2"), attn_heads=4, attn_kv_heads=2,
                          attn_head_dim=8, rope_theta=100.0, mlp_width=24, mlp_gated=True, mlp_bias=True),
+        # Qwen3-Next's kinds: a Gated DeltaNet (a conv bias), gated q/k-normed attention, experts with a
+        # gated shared expert
+        "g": MambaConfig(version=2, d_model=16, n_layers=3, vocab_size=32,
+                         layer_kinds=("gdn", "attention", "moe"), attn_heads=4, attn_kv_heads=2,
+                         attn_head_dim=4, rope_theta=100.0, rope_dim=2,
+                         attn_qk_norm=True, attn_output_gate=True, mlp_gated=True, moe_experts=4, moe_top_k=2,
+                         moe_width=8, moe_shared_width=8, moe_shared_gate=True,
+                         sections={"gdn": dict(k_heads=2, v_heads=4, k_dim=4, v_dim=4, chunk=4,
+                                               conv_bias=True)}),
     }
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 32, (3, 10))  # 3 prompts: not a multiple of the data axis
@@ -59,6 +68,7 @@ SCRIPT = textwrap.dedent(
         ("h", "logit", (1, 8), "pallas", "long"),  # the kernel for the SSM, the tile loop for the rest
         ("p", "alti", (2, 4), "pallas", "full"),  # a parallel block's two halves, the Pallas scan inside
         ("s", "logit", (2, 4), "xla", "full"),   # a shared layer's two hops (h^0 beside the stream)
+        ("g", "logit", (2, 4), "xla", "full"),   # the delta rule's M tiles and the gated attention, split
     ]
     for version, method, shape, impl, batch in RUNS:
         params = init_params(CFG[version], 1)
