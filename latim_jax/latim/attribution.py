@@ -260,7 +260,8 @@ def attribute(
         range needs the whole map (a warning says so from L = 1024 on; "signed" ranks alike).
       mask: optional (B, L) bool of valid positions, one contiguous run per row (left and/or right
         padding; holes are refused). Padding is skipped by the model (zero conv input and Delta), so
-        every real row equals the prompt alone; rows and columns of padding are exactly 0, and so are
+        every real row equals the prompt alone to float rounding (other shapes round fp32 sums
+        differently: ~1e-7-1e-6 relative); rows and columns of padding are exactly 0, and so are
         the logit extras there; the paper-mode error averages real positions only.
       target: vocabulary entries for "logit"/"grad_input": None (the model's own prediction at each
         position), an int, or ints (B, L).
