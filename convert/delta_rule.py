@@ -82,3 +82,32 @@ def qwen3_next_gdn(tensors: dict, section, d_model: int, file: str = "checkpoint
     if s.conv_bias:
         out["conv_b"] = _expect("conv1d.bias", tensors["conv1d.bias"], (m,), file)
     return {name: np.ascontiguousarray(x) for name, x in out.items()}
+
+
+def kimi_kda(tensors: dict, section, d_model: int, file: str = "checkpoint") -> dict:
+    """latim-jax kda parameters from Kimi Linear's ``self_attn`` delta-attention tensors, read eagerly
+    (torch orientation, keys relative to the module: q_proj, k_proj, v_proj, conv1d, forget_gate.f_a_proj,
+    forget_gate.f_b_proj, forget_gate.dt_bias, forget_gate.A_log, b_proj, g_a_proj, g_b_proj,
+    o_norm.weight, o_proj). A tensor of the wrong shape is a CheckpointError naming it."""
+    s, d = section, d_model
+    H, k = s.k_heads, s.k_dim
+    e = s.value_width
+
+    def get(name, shape):
+        return _expect(name, tensors[name], shape, file)
+
+    q, kk, v = (get(f"{p}_proj.weight", (H * k, d)) for p in "qkv")
+    out = {
+        "in_proj": np.concatenate([q, kk, v], axis=0).T,
+        "conv_w": get("conv1d.weight", (s.conv_width, 1, s.conv))[:, 0, :].T,
+        "decay_a": get("forget_gate.f_a_proj.weight", (k, d)).T,
+        "decay_b": get("forget_gate.f_b_proj.weight", (H * k, k)).T,
+        "dt_bias": get("forget_gate.dt_bias", (H * k,)),
+        "A_log": get("forget_gate.A_log", (1, 1, H, 1)).reshape(H),
+        "b_proj": get("b_proj.weight", (H, d)).T,
+        "gate_a": get("g_a_proj.weight", (k, d)).T,
+        "gate_b": get("g_b_proj.weight", (e, k)).T,
+        "norm_w": get("o_norm.weight", (s.v_dim,)),
+        "out_proj": get("o_proj.weight", (d, e)).T,
+    }
+    return {name: np.ascontiguousarray(x) for name, x in out.items()}

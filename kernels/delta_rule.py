@@ -6,7 +6,10 @@ v value dim, C chunk, r target rows, w source columns.
 
 Per head, with q_t, k_t (k,) (L2-normalised; q scaled by k^-1/2), v_t (v,), decay g_t <= 0 and rate beta_t:
 
-    S_t = A_t S_{t-1} + beta_t k_t v_t^T,   A_t = (I - beta_t k_t k_t^T) e^{g_t},   o_t = S_t^T q_t
+    S_t = A_t S_{t-1} + beta_t k_t v_t^T,   A_t = (I - beta_t k_t k_t^T) D_t,   o_t = S_t^T q_t
+
+with D_t = e^{g_t} I for Gated DeltaNet's one decay per head (g (b, l, H)), or Diag(e^{g_t}) for Kimi's
+KDA, a decay per key channel (g (b, l, H, k)): every function here takes either.
 
 so with q, k, g, beta held at their forward values the output is linear in the values:
 
@@ -34,22 +37,27 @@ def l2_normalise(x, eps: float = 1e-6):
 
 
 def chunked(q, k, v, g, beta, chunk: int, state=None):
-    """The gated delta rule over a sequence, chunk by chunk: q, k (b, l, H, k), v (b, l, H, v), g, beta
-    (b, l, H), all fp32, q already scaled; ``state`` (b, H, k, v) or None for zeros. Returns o (b, l, H, v)
-    and the final state (b, H, k, v).
+    """The gated delta rule over a sequence, chunk by chunk: q, k (b, l, H, k), v (b, l, H, v), beta
+    (b, l, H), g (b, l, H) (one decay per head) or (b, l, H, k) (one per key channel), all fp32, q
+    already scaled; ``state`` (b, H, k, v) or None for zeros. Returns o (b, l, H, v) and the final state.
 
-    Within a chunk of C positions with cumulative decay gamma (gamma_r = sum_{s <= r} g_s):
-    U = I + strictly_lower(beta_i k_i.k_j e^{gamma_i - gamma_j}), W = U^-1 (beta v), Kd = U^-1 (beta k
-    e^gamma); then per chunk, from the state S entering it, u = W - Kd S, o = (q e^gamma) S +
-    ((q k^T) * e^{gamma_i - gamma_j} [i >= j]) u, S' = e^{gamma_C} S + (k e^{gamma_C - gamma})^T u.
+    Within a chunk of C positions with cumulative decay gamma (gamma_r = sum_{s <= r} g_s, per channel
+    c when g has one) and E_ijc = e^{gamma_ic - gamma_jc} for i >= j (0 above):
+    U = I + strictly_lower(beta_i sum_c k_ic k_jc E_ijc), W = U^-1 (beta v), Kd = U^-1 (beta k e^gamma);
+    then per chunk, from the state S entering it, u = W - Kd S, o = (q e^gamma) S + (sum_c q_ic k_jc
+    E_ijc) u, S' = e^{gamma_C} S + (k e^{gamma_C - gamma})^T u. A per-channel decay holds E as (C, C, k)
+    per head and chunk (choose a small chunk for it); a per-head one as (C, C).
     """
     b, length, H, dk = k.shape
     dv = v.shape[-1]
     C = int(chunk)
+    per_channel = g.ndim == 4
+    if not per_channel:
+        g = g[..., None]  # one channel, broadcast over k
     pad = (-length) % C
     if pad:  # zero-padded positions: beta 0, g 0, an identity step
-        q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
-        g, beta = (jnp.pad(x, ((0, 0), (0, pad), (0, 0))) for x in (g, beta))
+        q, k, v, g = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v, g))
+        beta = jnp.pad(beta, ((0, 0), (0, pad), (0, 0)))
     n = (length + pad) // C
 
     def chunks(x):  # (b, l, H, ...) -> (n, b, H, C, ...)
@@ -57,18 +65,22 @@ def chunked(q, k, v, g, beta, chunk: int, state=None):
         return jnp.moveaxis(jnp.moveaxis(x, 3, 2), 1, 0)
 
     q, k, v, g, beta = (chunks(x.astype(f32)) for x in (q, k, v, g, beta))
-    gamma = jnp.cumsum(g, axis=-1)  # (n, b, H, C)
+    gamma = jnp.cumsum(g, axis=-2)  # (n, b, H, C, c) with c = k or 1
     lower = jnp.tril(jnp.ones((C, C), bool))
-    diff = jnp.where(lower, gamma[..., :, None] - gamma[..., None, :], -jnp.inf)
-    decay = jnp.exp(diff)  # e^{gamma_i - gamma_j} on i >= j, else 0
-    kk = jnp.einsum("nbhik,nbhjk->nbhij", k, k)
-    U = jnp.eye(C, dtype=f32) + jnp.where(jnp.tril(lower, -1), beta[..., :, None] * kk * decay, 0.0)
+    diff = jnp.where(lower[..., None], gamma[..., :, None, :] - gamma[..., None, :, :], -jnp.inf)
+    E = jnp.exp(diff)  # (n, b, H, C, C, c)
+    if per_channel:
+        kk = jnp.einsum("nbhic,nbhjc,nbhijc->nbhij", k, k, E)
+        intra = jnp.einsum("nbhic,nbhjc,nbhijc->nbhij", q, k, E)
+    else:
+        kk = jnp.einsum("nbhic,nbhjc->nbhij", k, k) * E[..., 0]
+        intra = jnp.einsum("nbhic,nbhjc->nbhij", q, k) * E[..., 0]
+    U = jnp.eye(C, dtype=f32) + jnp.where(jnp.tril(lower, -1), beta[..., :, None] * kk, 0.0)
     W = solve_triangular(U, beta[..., None] * v, lower=True, unit_diagonal=True)
-    Kd = solve_triangular(U, (beta * jnp.exp(gamma))[..., None] * k, lower=True, unit_diagonal=True)
-    intra = jnp.einsum("nbhik,nbhjk->nbhij", q, k) * decay
-    q_in = q * jnp.exp(gamma)[..., None]
-    k_out = k * jnp.exp(gamma[..., -1:] - gamma)[..., None]
-    step_decay = jnp.exp(gamma[..., -1])[..., None, None]  # (n, b, H, 1, 1)
+    Kd = solve_triangular(U, beta[..., None] * k * jnp.exp(gamma), lower=True, unit_diagonal=True)
+    q_in = q * jnp.exp(gamma)
+    k_out = k * jnp.exp(gamma[..., -1:, :] - gamma)
+    step_decay = jnp.exp(gamma[..., -1, :])[..., :, None]  # (n, b, H, c, 1): rows of the state
 
     def body(S, xs):
         W_c, Kd_c, intra_c, q_c, k_c, d_c = xs
@@ -83,18 +95,25 @@ def chunked(q, k, v, g, beta, chunk: int, state=None):
     return jnp.moveaxis(o, 1, 2), S
 
 
+def _row_decay(g_t):
+    """e^{g_t} as a multiplier of the state's rows: (b, H, 1, 1) per head, (b, H, k, 1) per channel."""
+    d = jnp.exp(g_t)
+    return d[..., None] if d.ndim == 3 else d[..., None, None]
+
+
 def step(S, q_t, k_t, v_t, g_t, beta_t):
-    """One token of the recurrence: S (b, H, k, v), q_t, k_t (b, H, k), v_t (b, H, v), g_t, beta_t
-    (b, H) -> (o_t (b, H, v), S_t): S_t = e^{g_t} S + beta_t k_t (v_t - e^{g_t} S^T k_t)^T,
+    """One token of the recurrence: S (b, H, k, v), q_t, k_t (b, H, k), v_t (b, H, v), g_t (b, H) or
+    (b, H, k), beta_t (b, H) -> (o_t (b, H, v), S_t): S_t = D_t S + beta_t k_t (v_t - (D_t S)^T k_t)^T,
     o_t = S_t^T q_t."""
-    S = S * jnp.exp(g_t)[..., None, None]
+    S = S * _row_decay(g_t)
     delta = (v_t - jnp.einsum("bhkv,bhk->bhv", S, k_t)) * beta_t[..., None]
     S = S + k_t[..., :, None] * delta[..., None, :]
     return jnp.einsum("bhkv,bhk->bhv", S, q_t), S
 
 
 def m_tile(q, k, g, beta, rows, c0, width: int):
-    """M[rows, c0 : c0 + width] per head, (b, H, r, width): q, k (b, l, H, k), g, beta (b, l, H) fp32;
+    """M[rows, c0 : c0 + width] per head, (b, H, r, width): q, k (b, l, H, k), beta (b, l, H), g (b, l, H)
+    or (b, l, H, k) fp32;
     ``rows`` (r,) int target positions, ``c0`` the first source column (columns past the end are 0).
 
     The recurrence runs over one-hot values of the ``width`` columns: X_t = A_t X_{t-1} + beta_t k_t
@@ -108,11 +127,11 @@ def m_tile(q, k, g, beta, rows, c0, width: int):
     def body(carry, x):
         X, out = carry
         q_t, k_t, g_t, beta_t, t = x
+        X = X * _row_decay(g_t)  # A_t X = (I - beta_t k_t k_t^T) D_t X
         X = (
             X
             - k_t[..., :, None] * beta_t[..., None, None] * jnp.einsum("bhk,bhkw->bhw", k_t, X)[..., None, :]
         )
-        X = X * jnp.exp(g_t)[..., None, None]
         X = X + (beta_t[..., None] * k_t)[..., None] * (cols == t)[None, None, None, :]
         row = jnp.einsum("bhk,bhkw->bhw", q_t, X)
         out = jnp.where((rows == t)[None, None, :, None], row[:, :, None, :], out)

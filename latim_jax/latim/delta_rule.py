@@ -1,5 +1,5 @@
-"""The Gated DeltaNet kind ("gdn"): one layer's output written as a sum over source tokens (docs/method.md,
-section 15).
+"""The delta-rule kinds (Gated DeltaNet "gdn", Kimi Delta Attention "kda"): one layer's output written as a
+sum over source tokens (docs/method.md, section 15).
 
 With q, k, the decay g and the rate beta held at their forward values, the delta rule is linear in its
 values: o_i = sum_{t <= i} M[i, t] v_t with one scalar M per value head and pair
@@ -35,11 +35,13 @@ from latim_jax.parallel.context import XLA, Context
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DeltaFactors(Factors):
-    """One gdn sublayer's factors (fp32): q, k (b, l, H, k), g, beta (b, l, H) held fixed; a (b, K, l, e)
+    """One delta-rule sublayer's factors (fp32): q, k (b, l, H, k), g (b, l, H) or per key channel
+    (b, l, H, k), beta (b, l, H) held fixed; a (b, K, l, e)
     the per-source tap values (batch first, like every field); G (b, l, e) the output gate; W_out (e, d);
     bias, output, h (b, l, d); token_total (b, l, d) or None."""
 
     mode: str = dataclasses.field(metadata=dict(static=True))
+    kind: str = dataclasses.field(metadata=dict(static=True))
     q: jax.Array
     k: jax.Array
     g: jax.Array
@@ -52,7 +54,6 @@ class DeltaFactors(Factors):
     h: jax.Array
     token_total: jax.Array | None
 
-    kind = "gdn"
     channels_first = False
 
     def m_tile(self, rows, c0, width: int):
@@ -65,7 +66,7 @@ class DeltaFactors(Factors):
         so that T_i(x_j) = V_{i,j} @ W_out. Sources past the end give zeros."""
         del blocks, channels_first
         b, K, _, e = self.a.shape
-        H = self.g.shape[-1]
+        H = self.beta.shape[-1]
         M = self.m_tile(rows, j0, width + K - 1)  # (b, H, r, width + K - 1)
         cols = j0 + jnp.arange(width)
         a = jnp.take(self.a, cols, axis=2, mode="fill", fill_value=0).reshape(b, K, width, H, e // H)
@@ -126,6 +127,6 @@ def factors(
         v = sum(jnp.pad(a[:, t], ((0, 0), (t, 0), (0, 0)))[:, :L] for t in range(K))
         total = linear(run(v) * G, W_out)
     return DeltaFactors(
-        mode=mode, q=q, k=k, g=g, beta=beta, a=a, G=G, W_out=W_out, bias=bias, output=mixer.output(inter),
-        h=h.astype(f32), token_total=total,
+        mode=mode, kind=block.kind, q=q, k=k, g=g, beta=beta, a=a, G=G, W_out=W_out, bias=bias,
+        output=mixer.output(inter), h=h.astype(f32), token_total=total,
     )  # fmt: skip

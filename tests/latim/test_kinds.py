@@ -20,7 +20,7 @@ from latim_jax.kernels.decay import SSM
 from latim_jax.latim import memory
 from latim_jax.latim.factors import FORMS, Factors
 from latim_jax.latim.kinds import KINDS, factors, layer_factors
-from latim_jax.model import attention, mixers, mlp, moe, parallel_mixer, shared_block
+from latim_jax.model import attention, delta_rule, mixers, mlp, moe, parallel_mixer, shared_block
 from latim_jax.model.generate import generate
 from latim_jax.model.init import init_params
 from latim_jax.model.kind import LayerKind, kind_of, register, registered, unregister
@@ -33,15 +33,17 @@ KIND_FIELDS = {
     "moe": dict(moe_experts=4, moe_top_k=2, moe_width=6, moe_shared_width=5, mlp_gated=True),
     "parallel": dict(attn_heads=2, attn_kv_heads=1, attn_head_dim=4),
     "shared": dict(attn_heads=2, attn_kv_heads=1, attn_head_dim=8, mlp_width=12, mlp_gated=True),
+    "gdn": dict(sections={"gdn": dict(k_heads=1, v_heads=2, k_dim=4, v_dim=4, chunk=4, conv_bias=True)}),
+    "kda": dict(sections={"kda": dict(k_heads=2, v_heads=2, k_dim=4, v_dim=4, chunk=4)}),
 }
-LIBRARY_KINDS = ("mamba1", "mamba2", "attention", "mlp", "moe", "parallel", "shared")
+LIBRARY_KINDS = ("mamba1", "mamba2", "attention", "mlp", "moe", "parallel", "shared", "gdn", "kda")
 
 
 def test_every_module_kind_is_registered_with_its_declaration():
     # every module class of the model package that names a kind is registered, with its declaration
     named = {
         cls.kind
-        for module in (mixers, attention, mlp, moe, parallel_mixer, shared_block)
+        for module in (mixers, attention, mlp, moe, parallel_mixer, shared_block, delta_rule)
         for cls in vars(module).values()
         if isinstance(cls, type) and issubclass(cls, ParamModule) and cls.kind
     }
@@ -249,9 +251,9 @@ def test_a_kind_registered_from_outside_runs_through_everything(causal_mean):
     assert latim_jax.MambaConfig.from_dict(cfg.to_dict()) == cfg
     assert "1 causal mean" in cfg.describe()
     model = latim_jax.MambaLM(cfg, init_params(cfg, 0))
-    tokens = np.random.default_rng(1).integers(0, 16, (2, 11))
+    tokens = np.random.default_rng(1).integers(0, 16, (2, 13))
     h = model.forward(tokens).residuals[1]
-    direct = h + model.layers[1].mixer(model.layers[1].normed(h), mask=jnp.ones((2, 11), bool))
+    direct = h + model.layers[1].mixer(model.layers[1].normed(h), mask=jnp.ones((2, 13), bool))
     np.testing.assert_allclose(model.forward(tokens).residuals[2], direct, rtol=1e-6, atol=1e-6)
     assert latim_jax.conservation_error(model, tokens, layer=1) < 1e-5
     assert_logit_identity_padding_and_rows(model, tokens)
