@@ -719,12 +719,20 @@ _QWEN3_NEXT_IGNORED = GENERIC_IGNORED | {
 
 
 def qwen3_next_config(data: dict[str, Any], file: str) -> MambaConfig:
-    """A :class:`MambaConfig` from transformers' ``Qwen3NextConfig`` (``model_type: qwen3_next``): each
-    layer i is two sublayers, 2i its token mixer (a Gated DeltaNet, kind "gdn", where ``layer_types``
-    says "linear_attention"; else gated attention with per-head q/k RMSNorm and partial rotary) and
-    2i + 1 its feed-forward (routed experts with a sigmoid-gated shared expert where i is not in
-    ``mlp_only_layers`` and (i + 1) % ``decoder_sparse_step`` == 0, else a SwiGLU MLP). Its RMSNorms
-    scale by 1 + w (folded into the weights by :func:`qwen3_next_finish`)."""
+    """A :class:`MambaConfig` from transformers' ``Qwen3NextConfig`` (``model_type: qwen3_next``) or the
+    text models of Qwen3.5 (``qwen3_5_text``: a SwiGLU MLP in every layer; ``qwen3_5_moe_text``: experts
+    in every layer, the top k always renormalised): each layer i is two sublayers, 2i its token mixer (a
+    Gated DeltaNet, kind "gdn", where ``layer_types`` says "linear_attention"; else gated attention with
+    per-head q/k RMSNorm and partial rotary) and 2i + 1 its feed-forward (Qwen3-Next: routed experts
+    with a sigmoid-gated shared expert where i is not in ``mlp_only_layers`` and (i + 1) %
+    ``decoder_sparse_step`` == 0, else a SwiGLU MLP). Its RMSNorms scale by 1 + w (folded into the
+    weights by :func:`qwen3_next_finish`). Qwen3.5's multimodal rotary (``mrope_section``) rotates text
+    positions exactly as the default rotary does (its three position axes are equal for text), so those
+    keys are read as the default rotary."""
+    family = data.get("model_type", "qwen3_next")
+    if isinstance(data.get("rope_parameters"), dict):  # Qwen3.5: the multimodal sections, text = default
+        data = {**data, "rope_parameters": {k: v for k, v in data["rope_parameters"].items()
+                                            if k not in ("mrope_section", "mrope_interleaved")}}  # fmt: skip
     f = ConfigFields(data, file=file, handled=_QWEN3_NEXT_HANDLED, ignored=_QWEN3_NEXT_IGNORED)
     n = f.int("num_hidden_layers", 48)
     types = f.raw("layer_types", None)
@@ -736,7 +744,8 @@ def qwen3_next_config(data: dict[str, Any], file: str) -> MambaConfig:
     only = f.raw("mlp_only_layers", None) or []
     if not isinstance(only, list) or not all(isinstance(i, int) for i in only):
         raise f.error("mlp_only_layers", "wrong value", "a list of layer indices", only)
-    experts, step = f.int("num_experts", 512), f.int("decoder_sparse_step", 1)
+    experts = 0 if family == "qwen3_5_text" else f.int("num_experts", 512 if family == "qwen3_next" else 256)
+    step = f.int("decoder_sparse_step", 1)
     kinds = []
     for i, t in enumerate(types):
         sparse = i not in only and experts > 0 and (i + 1) % step == 0
@@ -760,14 +769,14 @@ def qwen3_next_config(data: dict[str, Any], file: str) -> MambaConfig:
     moe = {}
     if "moe" in kinds:
         moe = dict(
-            moe_experts=experts, moe_top_k=f.int("num_experts_per_tok", 10),
+            moe_experts=experts, moe_top_k=f.int("num_experts_per_tok", 10 if family == "qwen3_next" else 8),
             moe_width=f.int("moe_intermediate_size", 512),
             moe_shared_width=f.int("shared_expert_intermediate_size", 512), moe_shared_gate=True,
             # softmax over all experts, the best k renormalised = softmax over the best k's logits
             moe_router="softmax_topk" if f.bool("norm_topk_prob", True) else "softmax_all",
         )  # fmt: skip
     return build_config(
-        file, version=2, family="qwen3_next", d_model=d_model, n_layers=len(kinds), layer_kinds=tuple(kinds),
+        file, version=2, family=family, d_model=d_model, n_layers=len(kinds), layer_kinds=tuple(kinds),
         vocab_size=f.int("vocab_size", 151936), tie_embeddings=f.bool("tie_word_embeddings", False),
         rms_eps=eps, attn_heads=heads, attn_kv_heads=f.int("num_key_value_heads", 2), attn_head_dim=head_dim,
         rope_theta=theta, rope_dim=_rope_dim(head_dim, fraction), attn_qk_norm=True, attn_output_gate=True,
@@ -794,17 +803,45 @@ def qwen3_next_finish(data: dict[str, Any], config: MambaConfig, params: dict) -
     return params
 
 
+def _concat_rows(*arrays):
+    return np.concatenate(arrays, axis=0)
+
+
+def _stacked_rows(tensors, names: list[str], d_model: int) -> tuple[int, int]:
+    """The shape of ``names`` (each (rows, d_model)) stacked along their rows; a missing tensor or a wrong
+    width is a CheckpointError naming it."""
+    rows = 0
+    for name in names:
+        if name not in tensors:
+            raise CheckpointError("missing tensor", file=tensors.label, key=name,
+                                  expected=f"(rows, {d_model})", found="no such key")  # fmt: skip
+        shape = tensors.shape(name)
+        if len(shape) != 2 or shape[1] != d_model:
+            raise CheckpointError("wrong shape", file=tensors.file_of(name), key=name,
+                                  expected=f"(rows, {d_model})", found=shape)  # fmt: skip
+        rows += shape[0]
+    return rows, d_model
+
+
 def qwen3_next_tensors(config: MambaConfig, tensors) -> None:
-    """Present Qwen3-Next's interleaved projections in the layout's form, in place: each Gated DeltaNet's
-    in_proj_qkvz / in_proj_ba rows reordered to [q | k | v | z] / [b | a] (``latim_in_proj``,
-    ``latim_ba_proj``), each attention's q_proj rows (per head: query, gate) to [queries | gates]
-    (``latim_q_proj``, read as two halves: q_proj and the output gate g_proj), and each expert's
-    matrices stacked (``mlp.experts.gate_proj`` ...: (E, out, in))."""
+    """Present Qwen3-Next's (and Qwen3.5's) projections in the layout's form, in place: each Gated
+    DeltaNet's in_proj_qkvz / in_proj_ba rows reordered to [q | k | v | z] / [b | a] (``latim_in_proj``,
+    ``latim_ba_proj``; Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a stacked in that order),
+    each attention's q_proj rows (per head: query, gate) to [queries | gates] (``latim_q_proj``, read as
+    two halves: q_proj and the output gate g_proj), and each expert's matrices stacked
+    (``mlp.experts.gate_proj`` ...: (E, out, in))."""
     prefix = next((k[: k.index("model.")] for k in tensors.keys() if "model." in k), "")
     section = config.section("gdn") if "gdn" in config.kinds else None
     for k, kind in enumerate(config.kinds):
         base = f"{prefix}model.layers.{k // 2}."
-        if kind == "gdn":
+        if kind == "gdn" and f"{base}linear_attn.in_proj_qkv.weight" in tensors:  # Qwen3.5: apart
+            for derived, stored in (("latim_in_proj", ("in_proj_qkv", "in_proj_z")),
+                                    ("latim_ba_proj", ("in_proj_b", "in_proj_a"))):  # fmt: skip
+                names = [f"{base}linear_attn.{n}.weight" for n in stored]
+                shape = _stacked_rows(tensors, names, config.d_model)
+                tensors.derive(f"{base}linear_attn.{derived}.weight", names, _concat_rows, shape=shape)
+                tensors.consume(names)
+        elif kind == "gdn":  # Qwen3-Next: interleaved per key head
             qkvz, ba = qkvz_rows(section), ba_rows(section)
             for stored, derived, rows in (
                 ("in_proj_qkvz", "latim_in_proj", qkvz),
@@ -843,9 +880,13 @@ READERS = {
     "falcon_h1": falcon_h1_config,
     "zamba2": zamba2_config,
     "qwen3_next": qwen3_next_config,
+    "qwen3_5_text": qwen3_next_config,
+    "qwen3_5_moe_text": qwen3_next_config,
 }
 # after the weights are read: what a family folds into them
-FINISH = {"granitemoehybrid": granite_finish, "falcon_h1": falcon_h1_finish, "qwen3_next": qwen3_next_finish}
+FINISH = {"granitemoehybrid": granite_finish, "falcon_h1": falcon_h1_finish} | dict.fromkeys(
+    ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"), qwen3_next_finish
+)
 
 
 def prepare_tensors(config: MambaConfig, tensors, data: dict[str, Any]) -> None:
@@ -855,7 +896,7 @@ def prepare_tensors(config: MambaConfig, tensors, data: dict[str, Any]) -> None:
     if config.family == "zamba2":
         zamba2_tensors(config, tensors, data)
         return
-    if config.family == "qwen3_next":
+    if config.family in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"):
         qwen3_next_tensors(config, tensors)
         return
     if config.family not in ("nemotron_h", "jamba") or "moe" not in config.kinds:

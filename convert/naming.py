@@ -259,7 +259,7 @@ QWEN3_NEXT = Naming(
 
 NAMINGS = {
     "bamba": BAMBA, "granitemoehybrid": GRANITE, "jamba": JAMBA, "falcon_h1": FALCON_H1, "zamba2": ZAMBA2,
-    "qwen3_next": QWEN3_NEXT,
+    "qwen3_next": QWEN3_NEXT, "qwen3_5_text": QWEN3_NEXT, "qwen3_5_moe_text": QWEN3_NEXT,
 }  # fmt: skip
 
 

@@ -98,17 +98,24 @@ class TensorFiles:
             del self._sources[name]
         self._sources[key] = source
 
-    def derive(self, key: str, parts: Sequence[str], combine: Callable[..., np.ndarray]) -> None:
-        """Add a tensor ``key`` = ``combine(*arrays of parts)`` of the first part's shape, computed in fp32
-        when read (the caller casts it once: :meth:`stored_dtype`); the parts stay (several derived tensors
-        may read one: :meth:`consume` removes them). A missing part raises CheckpointError."""
+    def derive(
+        self,
+        key: str,
+        parts: Sequence[str],
+        combine: Callable[..., np.ndarray],
+        shape: Sequence[int] | None = None,
+    ) -> None:
+        """Add a tensor ``key`` = ``combine(*arrays of parts)`` of the first part's shape (or ``shape``: a
+        concatenation, say), computed in fp32 when read (the caller casts it once: :meth:`stored_dtype`);
+        the parts stay (several derived tensors may read one: :meth:`consume` removes them). A missing
+        part raises CheckpointError."""
         for name in parts:
             if name not in self._sources:
                 raise CheckpointError(
                     f"missing tensor (needed for {key})", file=self.label, key=name,
                     expected=f"shape as {parts[0]}" if name != parts[0] else "a tensor", found="no such key",
                 )  # fmt: skip
-        self._sources[key] = _Derived(self, list(parts), combine)
+        self._sources[key] = _Derived(self, list(parts), combine, shape)
 
     def consume(self, names: Sequence[str]) -> None:
         """Drop the tensors ``names`` (what derived tensors were built from) from the keys."""
@@ -158,10 +165,10 @@ class _Stacked:
 class _Derived:
     """A virtual tensor computed from ``parts`` of ``files`` by ``combine`` (read lazily)."""
 
-    def __init__(self, files: TensorFiles, parts: list[str], combine: Callable[..., np.ndarray]):
+    def __init__(self, files: TensorFiles, parts: list[str], combine: Callable[..., np.ndarray], shape=None):
         self._parts = [(name, files._sources[name]) for name in parts]
         self.name = files.file_of(parts[0])
-        self._shape = files.shape(parts[0])
+        self._shape = files.shape(parts[0]) if shape is None else tuple(int(n) for n in shape)
         self._combine = combine
         self.stored_dtype = None  # known once read
 

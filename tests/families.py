@@ -244,6 +244,45 @@ def qwen3_next(
     return model.eval()
 
 
+def qwen3_5(
+    *, seed=0, moe=False, vocab=48, d_model=16, n_layers=4, interval=2, k_heads=2, v_heads=4, k_dim=8,
+    v_dim=6, heads=2, kv_heads=1, head_dim=8, tied=False,
+):  # fmt: skip
+    """transformers' Qwen3.5 text model (Qwen3_5ForCausalLM; ``moe``: Qwen3_5MoeForCausalLM): Qwen3-Next's
+    layers with the Gated DeltaNet's projections stored apart (in_proj_qkv, in_proj_z, in_proj_b,
+    in_proj_a); the norms, dt_bias and the router perturbed."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    kw = dict(
+        vocab_size=vocab, hidden_size=d_model, num_hidden_layers=n_layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=24, linear_num_key_heads=k_heads,
+        linear_num_value_heads=v_heads, linear_key_head_dim=k_dim, linear_value_head_dim=v_dim,
+        tie_word_embeddings=tied,
+        layer_types=["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n_layers)],
+    )  # fmt: skip
+    if moe:
+        cfg = transformers.Qwen3_5MoeTextConfig(
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=12,
+            shared_expert_intermediate_size=10, **kw,
+        )  # fmt: skip
+        model = transformers.Qwen3_5MoeForCausalLM(cfg)
+    else:
+        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**kw))
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                offset = 1.0 if "linear_attn.norm" in name else 0.0
+                p.copy_(offset + 0.3 * torch.randn(p.shape, generator=g))
+            elif name.endswith("dt_bias"):
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+            elif name.endswith(("mlp.gate.weight", "experts.gate_up_proj", "experts.down_proj")):
+                p.normal_(0, 0.3, generator=g)
+    return model.eval()
+
+
 BUILDERS = {
     "zamba2": zamba2,
     "falcon_h1": falcon_h1,
@@ -253,4 +292,5 @@ BUILDERS = {
     "falcon_mamba": falcon_mamba,
     "nemotron_h": nemotron_h,
     "qwen3_next": qwen3_next,
+    "qwen3_5": qwen3_5,
 }

@@ -103,6 +103,9 @@ VARIANTS = {
         "qwen3_next",
         dict(experts=0, interval=3, n_layers=3, tied=True, mlp_only=(), kv_heads=2, rope_fraction=1.0),
     ),
+    # Qwen3.5's text models: the Gated DeltaNet's projections stored apart; dense, and with experts
+    "qwen3_5": ("qwen3_5", {}),
+    "qwen3_5_moe": ("qwen3_5", dict(moe=True, interval=3, n_layers=3, tied=True)),
     "bamba": ("bamba", {}),
     # attention first and last, biases everywhere, tied, the whole head rotated, one group
     "bamba_bias_tied": (
@@ -148,7 +151,9 @@ def reference(model, tokens, mask=None):
 def test_logits_and_streams_match_transformers(family_dir, name):
     path, ref = family_dir(name)
     model = latim_jax.load(path)
-    assert model.config.family == VARIANTS[name][0]
+    assert model.config.family == {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}.get(
+        name, VARIANTS[name][0]
+    )
     rng = np.random.default_rng(0)
     for length in (1, 11, 19):  # past the Mamba-2 chunk
         tokens = rng.integers(0, model.config.n_tokens, (2, length))
@@ -168,7 +173,7 @@ def test_logits_and_streams_match_transformers(family_dir, name):
 @pytest.mark.parametrize(
     "name",
     ["nemotron_h_moe", "nemotron_h_mha", "falcon_mamba", "bamba_bias_tied", "granitemoehybrid", "jamba",
-     "falcon_h1_plain", "zamba2_plain", "qwen3_next"],
+     "falcon_h1_plain", "zamba2_plain", "qwen3_next", "qwen3_5_moe"],
 )  # fmt: skip
 def test_padded_batch_equals_each_prompt_alone_and_transformers(family_dir, name):
     path, ref = family_dir(name)
@@ -302,6 +307,33 @@ def test_unsupported_layer_kinds_and_fields_name_the_key(tmp_path):
     assert (legacy.n_groups, legacy.d_conv) == (1, 3)
     with pytest.raises(CheckpointError, match="mamba_chunk_size.*disagrees with chunk_size"):
         config_from_hf({**base, "hybrid_override_pattern": "M", "mamba_chunk_size": 64, "chunk_size": 128})
+
+
+def test_qwen3_configs_read_their_layers_and_name_a_bad_key():
+    """Qwen3-Next / Qwen3.5 configs: layer_types and the sparse step give the kinds; Qwen3.5's multimodal
+    rotary keys read as the default rotary; a gated q_proj with a bias, a wrong layer type and an unknown
+    field are refused naming the key."""
+    from latim_jax.convert.errors import CheckpointError
+    from latim_jax.convert.hf import config_from_hf
+
+    base = {"hidden_size": 16, "vocab_size": 48, "num_hidden_layers": 3, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "head_dim": 8, "linear_num_key_heads": 1, "linear_num_value_heads": 2,
+            "linear_key_head_dim": 4, "linear_value_head_dim": 4}  # fmt: skip
+    c = config_from_hf({**base, "model_type": "qwen3_next", "full_attention_interval": 3, "num_experts": 4,
+                        "decoder_sparse_step": 2, "num_experts_per_tok": 2})  # fmt: skip
+    assert c.kinds == ("gdn", "mlp", "gdn", "moe", "attention", "mlp")
+    rope = {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25,
+            "mrope_section": [1, 1, 0], "mrope_interleaved": True}  # fmt: skip
+    c = config_from_hf({**base, "model_type": "qwen3_5_text", "rope_parameters": rope})
+    assert c.kinds == ("gdn", "mlp", "gdn", "mlp", "gdn", "mlp") and (c.rope_theta, c.rope_dim) == (1e6, 2)
+    with pytest.raises(CheckpointError, match="attention_bias"):
+        config_from_hf({**base, "model_type": "qwen3_next", "attention_bias": True})
+    with pytest.raises(CheckpointError, match="layer_types"):
+        config_from_hf(
+            {**base, "model_type": "qwen3_next", "layer_types": ["linear_attention", "mamba", "x"]}
+        )
+    with pytest.raises(CheckpointError, match="mystery_field"):
+        config_from_hf({**base, "model_type": "qwen3_5_moe_text", "mystery_field": 1})
 
 
 def test_the_residual_multiplier_is_folded(family_dir, monkeypatch):
