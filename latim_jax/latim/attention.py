@@ -99,7 +99,7 @@ def factors(
         bias = bias + linear(y.astype(dtype).astype(f32) - y, W_out)
     bias = jnp.broadcast_to(bias, h.shape)
     return AttentionFactors(
-        window=block.config.sliding_window,
+        window=mixer.window,
         q=inter.q,
         k=inter.k,
         v=inter.v,

@@ -24,12 +24,13 @@ import jax.numpy as jnp
 
 from latim_jax.kernels import f32
 from latim_jax.kernels.block_sizes import Blocks
-from latim_jax.latim import attention, delta_rule, mamba, parallel_mixer, shared_block, tokenwise
+from latim_jax.latim import attention, delta_rule, mamba, mla, parallel_mixer, shared_block, tokenwise
 from latim_jax.model.attention import ATTENTION
 from latim_jax.model.delta_rule import GDN, KDA
 from latim_jax.model.inputs import check_mask
 from latim_jax.model.kind import kind_of, register, registered
 from latim_jax.model.mixers import MAMBA1, MAMBA2
+from latim_jax.model.mla import MLA
 from latim_jax.model.mlp import MLP
 from latim_jax.model.moe import MOE
 from latim_jax.model.parallel_mixer import PARALLEL
@@ -47,6 +48,7 @@ for _kind, _factors in (
     (SHARED, shared_block.factors),
     (GDN, delta_rule.factors),
     (KDA, delta_rule.factors),
+    (MLA, mla.factors),
 ):
     register(_kind, factors=_factors, replace=True)
 

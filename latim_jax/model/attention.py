@@ -139,28 +139,28 @@ class AttentionMixer(ParamModule):
         ``mask`` (b, l) bool of real positions. ``hold_fixed``: no gradient through the attention
         weights (q, k and the log-sum-exp): the sublayer is then linear in its values."""
         del ctx  # attention runs on XLA everywhere
-        c = self.config
         b, l, _ = x.shape
         q, k, v = self.project(x, jnp.arange(l))
         if hold_fixed:
             q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
-        vb = self.value_bias().reshape(c.attn_heads, c.attn_head_dim)
+        H, G, av = q.shape[2], k.shape[2], v.shape[3]  # query heads, key/value heads, value dim
+        vb = self.value_bias().reshape(H, av)
         tile = min(ROW_TILE, l)
         n = -(-l // tile)
         cols = jnp.arange(l)
-        G, rep = c.attn_kv_heads, c.attn_heads // c.attn_kv_heads
+        rep = H // G
 
         def rows_tile(t):
             rows = t * tile + jnp.arange(tile)
             qr = jnp.take(q, rows, axis=1, mode="clip")
-            s = logits(qr, k, rows, cols, mask, c.sliding_window)  # (b, H, r, l)
+            s = logits(qr, k, rows, cols, mask, self.window)  # (b, H, r, l)
             lse = jax.nn.logsumexp(s, axis=-1)  # (b, H, r)
             alpha = jnp.exp(s - lse[..., None]).reshape(b, G, rep, tile, l)
-            out = jnp.einsum("bgqrw,bwga->brgqa", alpha, v).reshape(b, tile, c.attn_heads, c.attn_head_dim)
+            out = jnp.einsum("bgqrw,bwga->brgqa", alpha, v).reshape(b, tile, H, av)
             return lse, out + vb
 
         lse, out = jax.lax.map(rows_tile, jnp.arange(n))  # (n, b, H, tile), (n, b, tile, H, a)
-        lse = jnp.moveaxis(lse, 0, 2).reshape(b, c.attn_heads, n * tile)[..., :l]
+        lse = jnp.moveaxis(lse, 0, 2).reshape(b, H, n * tile)[..., :l]
         out = jnp.moveaxis(out, 0, 1).reshape(b, n * tile, -1)[:, :l]
         gate = self.gate(x)
         if hold_fixed:
@@ -177,14 +177,24 @@ class AttentionMixer(ParamModule):
         """The sublayer output o (b, l, d) fp32 for the normalised input x (b, l, d)."""
         return self.output(self.intermediates(x, mask=mask, ctx=ctx))
 
-    def init_cache(self, batch: int, max_length: int):
-        """An empty key/value cache for ``max_length`` positions: (k, v (b, max_length, G, a), real
-        (b, max_length) bool, the next position (int32 scalar))."""
+    @property
+    def window(self) -> int:
+        """The sliding window (0: none)."""
+        return self.config.sliding_window
+
+    @property
+    def cache_dims(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """((key heads, key dim), (value heads, value dim)) of the generation cache."""
         c = self.config
-        shape = (batch, max_length, c.attn_kv_heads, c.attn_head_dim)
+        return (c.attn_kv_heads, c.attn_head_dim), (c.attn_kv_heads, c.attn_head_dim)
+
+    def init_cache(self, batch: int, max_length: int):
+        """An empty key/value cache for ``max_length`` positions: (k (b, max_length, G, a), v (b,
+        max_length, G, a_v), real (b, max_length) bool, the next position (int32 scalar))."""
+        kd, vd = self.cache_dims
         return (
-            jnp.zeros(shape, f32),
-            jnp.zeros(shape, f32),
+            jnp.zeros((batch, max_length, *kd), f32),
+            jnp.zeros((batch, max_length, *vd), f32),
             jnp.zeros((batch, max_length), bool),
             jnp.int32(0),
         )
@@ -192,15 +202,14 @@ class AttentionMixer(ParamModule):
     def step(self, x_t, cache, valid):
         """One token x_t (b, d) at the cache's next position -> (o_t (b, d), cache); ``valid`` (b,)
         bool: False marks padding, which no later token reads."""
-        c = self.config
         keys, values, real, t = cache
         q, k, v = self.project(x_t[:, None], t[None])
         keys = jax.lax.dynamic_update_slice_in_dim(keys, k, t, 1)
         values = jax.lax.dynamic_update_slice_in_dim(values, v, t, 1)
         real = jax.lax.dynamic_update_slice_in_dim(real, valid[:, None], t, 1)
         cols = jnp.arange(keys.shape[1])
-        s = logits(q, keys, t[None], cols, real, c.sliding_window)  # (b, H, 1, L)
-        alpha = jax.nn.softmax(s, axis=-1).reshape(x_t.shape[0], c.attn_kv_heads, -1, keys.shape[1])
+        s = logits(q, keys, t[None], cols, real, self.window)  # (b, H, 1, L)
+        alpha = jax.nn.softmax(s, axis=-1).reshape(x_t.shape[0], keys.shape[2], -1, keys.shape[1])
         out = jnp.einsum("bgqw,bwga->bgqa", alpha, values).reshape(x_t.shape[0], -1) + self.value_bias()
         gate = self.gate(x_t)
         out = out if gate is None else out * gate

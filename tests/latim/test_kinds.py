@@ -20,7 +20,7 @@ from latim_jax.kernels.decay import SSM
 from latim_jax.latim import memory
 from latim_jax.latim.factors import FORMS, Factors
 from latim_jax.latim.kinds import KINDS, factors, layer_factors
-from latim_jax.model import attention, delta_rule, mixers, mlp, moe, parallel_mixer, shared_block
+from latim_jax.model import attention, delta_rule, mixers, mla, mlp, moe, parallel_mixer, shared_block
 from latim_jax.model.generate import generate
 from latim_jax.model.init import init_params
 from latim_jax.model.kind import LayerKind, kind_of, register, registered, unregister
@@ -35,15 +35,16 @@ KIND_FIELDS = {
     "shared": dict(attn_heads=2, attn_kv_heads=1, attn_head_dim=8, mlp_width=12, mlp_gated=True),
     "gdn": dict(sections={"gdn": dict(k_heads=1, v_heads=2, k_dim=4, v_dim=4, chunk=4, conv_bias=True)}),
     "kda": dict(sections={"kda": dict(k_heads=2, v_heads=2, k_dim=4, v_dim=4, chunk=4)}),
+    "mla": dict(sections={"mla": dict(heads=2, kv_rank=4, nope_dim=4, shared_dim=2, v_dim=3)}),
 }
-LIBRARY_KINDS = ("mamba1", "mamba2", "attention", "mlp", "moe", "parallel", "shared", "gdn", "kda")
+LIBRARY_KINDS = ("mamba1", "mamba2", "attention", "mlp", "moe", "parallel", "shared", "gdn", "kda", "mla")
 
 
 def test_every_module_kind_is_registered_with_its_declaration():
     # every module class of the model package that names a kind is registered, with its declaration
     named = {
         cls.kind
-        for module in (mixers, attention, mlp, moe, parallel_mixer, shared_block, delta_rule)
+        for module in (mixers, attention, mlp, moe, parallel_mixer, shared_block, delta_rule, mla)
         for cls in vars(module).values()
         if isinstance(cls, type) and issubclass(cls, ParamModule) and cls.kind
     }
