@@ -16,6 +16,7 @@ import numpy as np
 from latim_jax.model.config import MambaConfig
 from latim_jax.model.delta_rule import DeltaRuleConfig
 from latim_jax.model.kind import kind_of
+from latim_jax.model.mla import MLAConfig
 
 from .config_fields import ConfigFields
 from .delta_rule import ba_rows, gated_query_rows, qkvz_rows
@@ -872,6 +873,131 @@ def qwen3_next_tensors(config: MambaConfig, tensors) -> None:
                 tensors.stack(f"{base}mlp.experts.{part}", names)
 
 
+# transformers' KimiLinearConfig attribute names -> the keys its config.json is written with
+_KIMI_ALIASES = {
+    "num_local_experts": "num_experts", "num_experts_per_tok": "num_experts_per_token",
+    "n_shared_experts": "num_shared_experts", "n_group": "num_expert_group",
+    "norm_topk_prob": "moe_renormalize",
+}  # fmt: skip
+_KIMI_HANDLED = frozenset(
+    {
+        "model_type", "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+        "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "num_shared_experts",
+        "routed_scaling_factor", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim",
+        "qk_nope_head_dim", "num_expert_group", "topk_group", "num_experts_per_token", "moe_renormalize",
+        "hidden_act", "rms_norm_eps", "tie_word_embeddings", "attention_bias", "num_experts",
+        "mlp_layer_types",
+        "layer_types", "linear_head_dim", "linear_num_heads", "linear_conv_kernel_dim", "linear_attn_config",
+        "first_k_dense_replace", "head_dim", "qk_head_dim", "moe_router_activation_func",
+    }
+)  # fmt: skip
+# training-only and generation-only fields; head_dim / qk_head_dim are written as derived values
+_KIMI_IGNORED = GENERIC_IGNORED | {
+    "attention_dropout", "max_position_embeddings", "model_max_length", "output_router_logits",
+    "pretraining_tp", "router_aux_loss_coef", "moe_layer_freq", "use_grouped_topk",
+}  # fmt: skip
+
+
+def kimi_linear_config(data: dict[str, Any], file: str) -> MambaConfig:
+    """A :class:`MambaConfig` from transformers' ``KimiLinearConfig`` (``model_type: kimi_linear``): each
+    layer i is two sublayers, 2i its token mixer (Kimi Delta Attention, kind "kda", or multi-head latent
+    attention without a rotary embedding, kind "mla", from ``layer_types`` or the checkpoint's
+    ``linear_attn_config``) and 2i + 1 its feed-forward (a SwiGLU MLP for the first
+    ``first_k_dense_replace`` layers or where ``mlp_layer_types`` says "dense", else sigmoid-routed
+    experts in groups with a correction bias, renormalised and scaled, plus shared experts)."""
+    data = _resolve_aliases(data, _KIMI_ALIASES, file)
+    f = ConfigFields(data, file=file, handled=_KIMI_HANDLED, ignored=_KIMI_IGNORED)
+    n = f.int("num_hidden_layers", 27)
+    linear = f.raw("linear_attn_config", None) or {}
+    if not isinstance(linear, dict):
+        raise f.error("linear_attn_config", "wrong type", "a dict", linear)
+    types = f.raw("layer_types", None)
+    if types is None and "full_attn_layers" in linear and "kda_layers" in linear:  # 1-indexed layers
+        types = [None] * n
+        for key, name in (("full_attn_layers", "full_attention"), ("kda_layers", "linear_attention")):
+            for i in linear[key]:
+                if not isinstance(i, int) or not 1 <= i <= n:
+                    raise f.error("linear_attn_config", f"{key} lists layer {i!r}", f"1..{n}", linear[key])
+                types[i - 1] = name
+    if types is None:
+        types = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n)]
+    if not isinstance(types, list) or len(types) != n or set(types) - {"linear_attention", "full_attention"}:
+        raise f.error("layer_types", "wrong value", f'{n} of "linear_attention" / "full_attention"', types)
+    mlp_types = f.raw("mlp_layer_types", None)
+    if mlp_types is None:
+        dense = f.int("first_k_dense_replace", 1) if f.has("first_k_dense_replace") else 1
+        mlp_types = ["dense" if i < dense else "sparse" for i in range(n)]
+    if not isinstance(mlp_types, list) or len(mlp_types) != n or set(mlp_types) - {"dense", "sparse"}:
+        raise f.error("mlp_layer_types", "wrong value", f'{n} of "dense" / "sparse"', mlp_types)
+    if f.has("moe_router_activation_func"):
+        f.require("moe_router_activation_func", ("sigmoid",), "sigmoid", "only the sigmoid router is read")
+    kinds = []
+    for t, m in zip(types, mlp_types, strict=True):
+        kinds += ["kda" if t == "linear_attention" else "mla", "moe" if m == "sparse" else "mlp"]
+    heads = f.int("num_attention_heads", 32)
+    kv = f.raw("num_key_value_heads", None)
+    if kv is not None and f.int("num_key_value_heads") != heads:
+        raise f.error("num_key_value_heads", "latent attention expands a key and a value per head", heads, kv)
+    eps = f.float("rms_norm_eps", 1e-5)
+    head = int(linear.get("head_dim", f.int("linear_head_dim", 128)))
+    kda_heads = int(linear.get("num_heads", f.int("linear_num_heads", 32)))
+    conv = int(linear.get("short_conv_kernel_size", f.int("linear_conv_kernel_dim", 4)))
+    kda = DeltaRuleConfig(k_heads=kda_heads, v_heads=kda_heads, k_dim=head, v_dim=head, conv=conv, chunk=16,
+                          norm_eps=eps, activation=_activation(f, "hidden_act", "silu"))  # fmt: skip
+    q_rank = f.raw("q_lora_rank", None)
+    mla = MLAConfig(
+        heads=heads, kv_rank=f.int("kv_lora_rank", 512), nope_dim=f.int("qk_nope_head_dim", 128),
+        shared_dim=f.int("qk_rope_head_dim", 64), v_dim=f.int("v_head_dim", 128),
+        q_rank=0 if q_rank is None else f.int("q_lora_rank"), bias=f.bool("attention_bias", False),
+    )  # fmt: skip
+    sections = {name: sec for name, sec in (("kda", kda), ("mla", mla)) if name in kinds}
+    moe = {}
+    if "moe" in kinds:
+        width = f.int("moe_intermediate_size", 1024)
+        groups = f.int("num_expert_group", 1)
+        moe = dict(
+            moe_experts=f.int("num_experts", 256), moe_top_k=f.int("num_experts_per_token", 8),
+            moe_width=width, moe_shared_width=width * f.int("num_shared_experts", 1),
+            moe_router="sigmoid_groups",
+            moe_groups=groups, moe_topk_groups=f.int("topk_group", 1),
+            moe_norm_topk=f.bool("moe_renormalize", True),
+            moe_scale=f.float("routed_scaling_factor", 2.446),
+        )  # fmt: skip
+    return build_config(
+        file, version=2, family="kimi_linear", d_model=f.int("hidden_size", 2304), n_layers=len(kinds),
+        layer_kinds=tuple(kinds), vocab_size=f.int("vocab_size", 163840),
+        tie_embeddings=f.bool("tie_word_embeddings", False), rms_eps=eps,
+        mlp_width=f.int("intermediate_size", 9216),
+        mlp_activation=_mlp_activation(f, "hidden_act", "silu"), mlp_gated=True, sections=sections, **moe,
+    )  # fmt: skip
+
+
+def kimi_linear_tensors(config: MambaConfig, tensors) -> None:
+    """Present Kimi Linear's stored tensors in the layout's form, in place: each KDA's q, k, v projections
+    and their three convs stacked into one (``latim_in_proj``, ``latim_conv1d``), its A_log (1, 1, H, 1)
+    as (H,) (``latim_A_log``), and each expert's w1 / w3 / w2 (gate, up, down) stacked into (E, out, in)."""
+    prefix = next((k[: k.index("model.")] for k in tensors.keys() if "model." in k), "")
+    for k, kind in enumerate(config.kinds):
+        base = f"{prefix}model.layers.{k // 2}."
+        if kind == "kda":
+            s = config.section("kda")
+            names = [f"{base}self_attn.{p}_proj.weight" for p in "qkv"]
+            shape = _stacked_rows(tensors, names, config.d_model)
+            tensors.derive(f"{base}self_attn.latim_in_proj.weight", names, _concat_rows, shape=shape)
+            convs = [f"{base}self_attn.{p}_conv1d.weight" for p in "qkv"]
+            tensors.derive(f"{base}self_attn.latim_conv1d.weight", convs, _concat_rows,
+                           shape=(s.conv_width, 1, s.conv))  # fmt: skip
+            a_log = f"{base}self_attn.A_log"
+            tensors.derive(
+                f"{base}self_attn.latim_A_log", [a_log], lambda a: a.reshape(-1), shape=(s.k_heads,)
+            )
+            tensors.consume(names + convs + [a_log])
+        elif kind == "moe":
+            for part, w in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
+                parts = [f"{base}block_sparse_moe.experts.{e}.{w}.weight" for e in range(config.moe_experts)]
+                tensors.stack(f"{base}block_sparse_moe.experts.{part}", parts)
+
+
 READERS = {
     "nemotron_h": nemotron_h_config,
     "bamba": bamba_config,
@@ -882,6 +1008,7 @@ READERS = {
     "qwen3_next": qwen3_next_config,
     "qwen3_5_text": qwen3_next_config,
     "qwen3_5_moe_text": qwen3_next_config,
+    "kimi_linear": kimi_linear_config,
 }
 # after the weights are read: what a family folds into them
 FINISH = {"granitemoehybrid": granite_finish, "falcon_h1": falcon_h1_finish} | dict.fromkeys(
@@ -898,6 +1025,9 @@ def prepare_tensors(config: MambaConfig, tensors, data: dict[str, Any]) -> None:
         return
     if config.family in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"):
         qwen3_next_tensors(config, tensors)
+        return
+    if config.family == "kimi_linear":
+        kimi_linear_tensors(config, tensors)
         return
     if config.family not in ("nemotron_h", "jamba") or "moe" not in config.kinds:
         return

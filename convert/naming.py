@@ -257,9 +257,62 @@ QWEN3_NEXT = Naming(
     root="model.",
 )  # fmt: skip
 
+
+def _kimi_linear_sublayer(k: int, kind: str, kinds: tuple) -> tuple[str, str]:
+    """Kimi Linear: 2i the token mixer (self_attn.: KDA or latent attention), 2i + 1 the feed-forward
+    (block_sparse_moe.: experts, or the dense MLP under the same name)."""
+    i = k // 2
+    if k % 2:
+        return f"model.layers.{i}.post_attention_layernorm.weight", f"model.layers.{i}.block_sparse_moe."
+    return f"model.layers.{i}.input_layernorm.weight", f"model.layers.{i}.self_attn."
+
+
+# KDA's projections, convs and A_log are stacked / reshaped on reading (convert.hybrids.kimi_linear_tensors)
+_KIMI_KDA = {
+    "in_proj": ("latim_in_proj.weight", LINEAR),
+    "conv_w": ("latim_conv1d.weight", CONV),
+    "decay_a": ("f_a_proj.weight", LINEAR),
+    "decay_b": ("f_b_proj.weight", LINEAR),
+    "dt_bias": ("dt_bias", SAME),
+    "A_log": ("latim_A_log", SAME),
+    "b_proj": ("b_proj.weight", LINEAR),
+    "gate_a": ("g_a_proj.weight", LINEAR),
+    "gate_b": ("g_b_proj.weight", LINEAR),
+    "norm_w": ("o_norm.weight", SAME),
+    "out_proj": ("o_proj.weight", LINEAR),
+}
+_KIMI_MLA = {
+    "q_proj": ("q_proj.weight", LINEAR),
+    "q_a": ("q_a_proj.weight", LINEAR),
+    "q_a_b": ("q_a_proj.bias", SAME),
+    "q_a_norm": ("q_a_layernorm.weight", SAME),
+    "q_b": ("q_b_proj.weight", LINEAR),
+    "kv_a": ("kv_a_proj_with_mqa.weight", LINEAR),
+    "kv_a_b": ("kv_a_proj_with_mqa.bias", SAME),
+    "kv_norm": ("kv_a_layernorm.weight", SAME),
+    "kv_b": ("kv_b_proj.weight", LINEAR),
+    "o_proj": ("o_proj.weight", LINEAR),
+    "o_b": ("o_proj.bias", SAME),
+}
+_KIMI_MOE = {
+    "router": ("gate.weight", LINEAR),
+    "router_bias": ("gate.e_score_correction_bias", SAME),
+    "experts_gate": ("experts.gate", STACKED),
+    "experts_up": ("experts.up", STACKED),
+    "experts_down": ("experts.down", STACKED),
+    "shared_gate": ("shared_experts.gate_proj.weight", LINEAR),
+    "shared_up": ("shared_experts.up_proj.weight", LINEAR),
+    "shared_down": ("shared_experts.down_proj.weight", LINEAR),
+}
+KIMI_LINEAR = Naming(
+    embedding=("model.embed_tokens.weight",), norm_f="model.norm.weight", sublayer=_kimi_linear_sublayer,
+    mixers={**MIXER_NAMES, "kda": _KIMI_KDA, "mla": _KIMI_MLA, "moe": _KIMI_MOE}, root="model.",
+)  # fmt: skip
+
 NAMINGS = {
     "bamba": BAMBA, "granitemoehybrid": GRANITE, "jamba": JAMBA, "falcon_h1": FALCON_H1, "zamba2": ZAMBA2,
     "qwen3_next": QWEN3_NEXT, "qwen3_5_text": QWEN3_NEXT, "qwen3_5_moe_text": QWEN3_NEXT,
+    "kimi_linear": KIMI_LINEAR,
 }  # fmt: skip
 
 

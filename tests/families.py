@@ -283,6 +283,43 @@ def qwen3_5(
     return model.eval()
 
 
+def kimi_linear(
+    *, seed=0, vocab=48, d_model=16, layer_types=("linear_attention", "full_attention", "linear_attention"),
+    mlp_types=("dense", "sparse", "sparse"), heads=2, head_dim=8, q_rank=12, experts=4, top_k=2, groups=2,
+    topk_group=1, tied=False, bias=False,
+):  # fmt: skip
+    """transformers' KimiLinearForCausalLM: Kimi Delta Attention layers and latent attention (a query
+    latent unless ``q_rank`` is None), a dense MLP then sigmoid-routed experts in groups with a correction
+    bias and a shared expert; the norms, dt_bias, A_log, the router and its bias perturbed."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.KimiLinearConfig(
+        vocab_size=vocab, hidden_size=d_model, num_hidden_layers=len(layer_types), num_attention_heads=heads,
+        num_key_value_heads=heads, q_lora_rank=q_rank, kv_lora_rank=8, qk_nope_head_dim=6, qk_rope_head_dim=4,
+        v_head_dim=5, linear_num_heads=2, linear_head_dim=head_dim, intermediate_size=24,
+        moe_intermediate_size=12,
+        num_local_experts=experts, num_experts_per_tok=top_k, n_group=groups, topk_group=topk_group,
+        layer_types=list(layer_types), mlp_layer_types=list(mlp_types), tie_word_embeddings=tied,
+        attention_bias=bias, pad_token_id=None, bos_token_id=None, eos_token_id=None,
+    )  # fmt: skip
+    model = transformers.KimiLinearForCausalLM(cfg)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+            elif name.endswith(("dt_bias", "A_log")):
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+            elif name.endswith(("gate.weight", "experts.gate_up_proj", "experts.down_proj")):
+                p.normal_(0, 0.3, generator=g)
+        for name, b in model.named_buffers():
+            if "e_score_correction_bias" in name:
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
+    return model.eval()
+
+
 BUILDERS = {
     "zamba2": zamba2,
     "falcon_h1": falcon_h1,
@@ -293,4 +330,5 @@ BUILDERS = {
     "nemotron_h": nemotron_h,
     "qwen3_next": qwen3_next,
     "qwen3_5": qwen3_5,
+    "kimi_linear": kimi_linear,
 }

@@ -12,8 +12,8 @@ the query / key-value latent ranks.
 
 Each value v_j is computed from token j alone (its latent), so the attention kind's decomposition applies
 unchanged with alpha held fixed (latim_jax.latim.mla). Parameters: q_proj (d, H (n + p)) or q_a (d, r_q),
-q_a_norm (r_q,), q_b (r_q, H (n + p)); kv_a (d, r_kv + p), kv_a_b (r_kv + p,) with a bias, kv_norm (r_kv,),
-kv_b (r_kv, H (n + v)), o_proj (H v, d), o_b (d,) with a bias.
+q_a_norm (r_q,), q_b (r_q, H (n + p)); kv_a (d, r_kv + p), kv_norm (r_kv,), kv_b (r_kv, H (n + v)),
+o_proj (H v, d); with a bias: q_a_b (r_q,), kv_a_b (r_kv + p,), o_b (d,).
 """
 
 from __future__ import annotations
@@ -81,7 +81,19 @@ class MLAMixer(AttentionMixer):
     generation with its own projections (every head its own keys and values: G = H)."""
 
     kind = "mla"
-    NAMES = ("q_proj", "q_a", "q_a_norm", "q_b", "kv_a", "kv_a_b", "kv_norm", "kv_b", "o_proj", "o_b")
+    NAMES = (
+        "q_proj",
+        "q_a",
+        "q_a_b",
+        "q_a_norm",
+        "q_b",
+        "kv_a",
+        "kv_a_b",
+        "kv_norm",
+        "kv_b",
+        "o_proj",
+        "o_b",
+    )
 
     @property
     def section(self) -> MLAConfig:
@@ -150,6 +162,8 @@ def mla_shapes(c) -> dict[str, tuple[int, ...]]:
         out["q_proj"] = (d, s.heads * s.qk_dim)
     if s.bias:
         out.update(kv_a_b=(s.kv_rank + s.shared_dim,), o_b=(d,))
+        if s.q_rank:
+            out["q_a_b"] = (s.q_rank,)
     return out
 
 
@@ -177,5 +191,5 @@ MLA = LayerKind(
     name="mla", display="latent attention", module=MLAMixer, shapes=mla_shapes, section=MLAConfig,
     output_params=("o_proj", "o_b"), memory=_mla_memory, holds_attention=True,
     init={"q_a": _fan_in, "q_b": _fan_in, "kv_a": _fan_in, "kv_b": _fan_in, "q_a_norm": _ones,
-          "kv_norm": _ones, "kv_a_b": _fan_in},
+          "kv_norm": _ones, "kv_a_b": _fan_in, "q_a_b": _fan_in},
 )  # fmt: skip

@@ -79,3 +79,22 @@ def test_the_mla_mixer_equals_transformers_kimi_linear_attention(q_rank):
     with torch.no_grad():
         want = layer(torch.from_numpy(x), attention_mask=causal)[0].numpy()
     assert rel_err(model.layers[0].mixer(jnp.asarray(x), mask=jnp.ones((2, 13), bool)), want) < 1e-5
+
+
+@pytest.mark.torch
+def test_a_kimi_linear_checkpoint_decomposes_exactly(tmp_path):
+    """A tiny Kimi Linear written by transformers' save_pretrained (KDA, latent attention with a query
+    latent, a dense MLP, grouped sigmoid experts): every sublayer conserves in exact mode, and the logit
+    identity, padding and row subsets hold through the whole model."""
+    pytest.importorskip("torch")
+    from families import kimi_linear
+
+    kimi_linear().save_pretrained(tmp_path)
+    model = latim_jax.load(tmp_path)
+    assert set(model.config.kinds) == {"kda", "mla", "mlp", "moe"}
+    tokens = np.random.default_rng(4).integers(0, model.config.n_tokens, (2, 21))
+    mask = np.ones(tokens.shape, bool)
+    mask[1, :4] = False
+    for layer in range(model.config.n_layers):
+        assert latim_jax.conservation_error(model, tokens, layer, mask=mask) < 2e-6, layer
+    assert_logit_identity_padding_and_rows(model, tokens)

@@ -106,6 +106,20 @@ VARIANTS = {
     # Qwen3.5's text models: the Gated DeltaNet's projections stored apart; dense, and with experts
     "qwen3_5": ("qwen3_5", {}),
     "qwen3_5_moe": ("qwen3_5", dict(moe=True, interval=3, n_layers=3, tied=True)),
+    # Kimi Delta Attention, latent attention with a query latent, a dense MLP then grouped sigmoid experts
+    "kimi_linear": ("kimi_linear", {}),
+    # no query latent, every projection biased, one group, latent attention first
+    "kimi_linear_plain": (
+        "kimi_linear",
+        dict(
+            q_rank=None,
+            bias=True,
+            groups=1,
+            layer_types=("full_attention", "linear_attention"),
+            mlp_types=("sparse", "dense"),
+        ),
+    ),  # fmt: skip
+    "kimi_linear_bias": ("kimi_linear", dict(bias=True)),  # the query latent's bias too
     "bamba": ("bamba", {}),
     # attention first and last, biases everywhere, tied, the whole head rotated, one group
     "bamba_bias_tied": (
@@ -173,7 +187,7 @@ def test_logits_and_streams_match_transformers(family_dir, name):
 @pytest.mark.parametrize(
     "name",
     ["nemotron_h_moe", "nemotron_h_mha", "falcon_mamba", "bamba_bias_tied", "granitemoehybrid", "jamba",
-     "falcon_h1_plain", "zamba2_plain", "qwen3_next", "qwen3_5_moe"],
+     "falcon_h1_plain", "zamba2_plain", "qwen3_next", "qwen3_5_moe", "kimi_linear"],
 )  # fmt: skip
 def test_padded_batch_equals_each_prompt_alone_and_transformers(family_dir, name):
     path, ref = family_dir(name)
@@ -201,6 +215,7 @@ def test_padded_batch_equals_each_prompt_alone_and_transformers(family_dir, name
         "falcon_h1",
         "zamba2",
         "qwen3_next",
+        "kimi_linear",
     ],
 )
 def test_generation_equals_the_full_forward(family_dir, name):
@@ -262,6 +277,8 @@ def _without(model, **changes):
         ("qwen3_next", dict(moe_shared_gate=False)),  # the shared expert ungated
         ("qwen3_next", dict(rope_dim=0)),  # the whole head rotated instead of a quarter
         ("qwen3_next", dict(moe_router="softmax_all")),  # the top-k not renormalised
+        ("kimi_linear", dict(moe_scale=1.0)),  # routed_scaling_factor dropped
+        ("kimi_linear", dict(moe_groups=1)),  # the group-limited choice dropped
     ],
 )
 def test_parity_fails_without_a_family_feature(family_dir, name, changes):
