@@ -235,6 +235,7 @@ def causal_mean():
     unregister("causal_mean")
 
 
+@pytest.mark.slow
 def test_a_kind_registered_from_outside_runs_through_everything(causal_mean):
     """The toy kind enters through its declaration and one register call: its config section (checked,
     round-tripped through JSON), parameters and initialisation, the forward and generation, the memory
