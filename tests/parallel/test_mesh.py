@@ -89,12 +89,15 @@ SCRIPT = textwrap.dedent(
         # the parameters read back in the checkpoint's order whatever the layout, bit for bit
         for a, b in zip(jax.tree.leaves(alone.params()), jax.tree.leaves(model.params()), strict=True):
             assert np.array_equal(np.asarray(a), np.asarray(b)), version
-        ssm = getattr(model.layers[0].mixer, "ssm", model.layers[0].mixer)  # alone or a composed part
-        assert ssm.layout.shards == shape[1], (version, ssm.layout.shards)  # laid out for the model axis
         w = model.layers[0].mixer.param("in_proj")[...]
         assert len(w.sharding.device_set) == 8
-        if shape[1] > 1:  # model-parallel: each device holds 1/model of in_proj's columns
-            assert w.addressable_shards[0].data.shape[1] == w.shape[1] // shape[1]
+        if version == "g":  # a gdn layer declares no channel axis: replicated over "model"
+            assert w.addressable_shards[0].data.shape == w.shape
+        else:
+            ssm = getattr(model.layers[0].mixer, "ssm", model.layers[0].mixer)  # alone or a composed part
+            assert ssm.layout.shards == shape[1], (version, ssm.layout.shards)  # laid out for the model axis
+            if shape[1] > 1:  # model-parallel: each device holds 1/model of in_proj's columns
+                assert w.addressable_shards[0].data.shape[1] == w.shape[1] // shape[1]
         print(version, method, shape, impl, err, flush=True)
     # the model forward on a mesh
     model = latim_jax.MambaLM(CFG[2], init_params(CFG[2], 1))
