@@ -479,7 +479,8 @@ def _keeps_mask(x) -> bool:
     positions, like no mask, is not recorded; under a transformation it is kept as given)."""
     if not x.given_mask:
         return False
-    return is_traced(x.mask) or not np.asarray(x.mask)[: x.batch, : x.length].all()
+    # gathered first: on a mesh over several processes the mask is not fully addressable from one host
+    return is_traced(x.mask) or not np.asarray(gather(x.mask))[: x.batch, : x.length].all()
 
 
 def _check_finite(s, method, layer) -> None:
