@@ -16,6 +16,7 @@ import io
 import json
 import math
 import os
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -119,8 +120,9 @@ def heatmap_figure(
     One colour scale for every panel, with a colour bar saying what it shows (``value_label``):
     diverging (blue < 0, white 0, red > 0) when any score is negative, sequential (white 0 to dark)
     otherwise; cells after the target (j > i) are grey, not a colour of the scale. ``scale``:
-    "linear", "log" or "quantile" (:func:`colour_values`). Bounded size (module docstring). The
-    panels' axes are ``fig.panels``."""
+    "linear", "log" or "quantile" (:func:`colour_values`; the bar's ticks then name the scores at the
+    50th, 90th and 100th percentile). Bounded size (module docstring). The panels' axes are
+    ``fig.panels``, the colour bar ``fig.bar``."""
     from matplotlib import colormaps
     from matplotlib.colors import ListedColormap, Normalize
     from matplotlib.figure import Figure  # no pyplot: no global figure state, no backend switch
@@ -162,12 +164,16 @@ def heatmap_figure(
         ax.set_ylabel(y_name + _thinned(y_ticks, R), fontsize=8)
         panels.append(ax)
     bar = fig.colorbar(image, ax=panels, shrink=0.8)
-    bar.set_label(_legend_text(value_label, scale, signed), fontsize=8)
-    bar.set_ticks([-1.0, 0.0, 1.0] if signed else [0.0, 1.0])
-    bar.set_ticklabels(_bar_ticks(scale, signed, top))
+    # the label runs along the bar (0.8 of the figure's height): wrapped to fit it, so a small figure
+    # shows all of it (one line of 8 pt text holds ~13 characters per inch)
+    fits = max(16, int(0.8 * fig.get_figheight() * 13))
+    bar.set_label(textwrap.fill(_legend_text(value_label, scale, signed), fits), fontsize=8)
+    ticks, names = _bar_ticks(scale, signed, top, values_of=np.abs(scores[np.isfinite(values)]))
+    bar.set_ticks(ticks)
+    bar.set_ticklabels(names)
     if title:
         fig.suptitle(title)
-    fig.panels = panels
+    fig.panels, fig.bar = panels, bar
     return fig
 
 
@@ -177,10 +183,25 @@ def _legend_text(value_label: str, scale: str, signed: bool) -> str:
     return f"{value_label} ({how}; {colours}; grey: no score, source after target)"
 
 
-def _bar_ticks(scale: str, signed: bool, top: float) -> list[str]:
-    if scale == "quantile":
-        return ["100% (neg.)", "0", "100%"] if signed else ["0", "100%"]
-    return [f"{-top:.3g}", "0", f"{top:.3g}"] if signed else ["0", f"{top:.3g}"]
+def _bar_ticks(scale: str, signed: bool, top: float, values_of=None) -> tuple[list[float], list[str]]:
+    """(tick positions on the colour scale, their labels): the score values they stand for. Linear and
+    log: 0 and the largest |score|. Quantile: the |score| at the 0, 50th, 90th and 100th percentile of
+    the scored cells (``values_of``), as "value (q50)", mirrored for a signed map."""
+    if scale != "quantile":
+        return (
+            ([-1.0, 0.0, 1.0], [f"{-top:.3g}", "0", f"{top:.3g}"])
+            if signed
+            else ([0.0, 1.0], ["0", f"{top:.3g}"])
+        )
+    levels = (0.5, 0.9, 1.0)
+    v = np.asarray(values_of, np.float64).ravel()
+    at = np.quantile(v, levels) if v.size else np.zeros(len(levels))
+    names = [f"{x:.3g} (q{round(100 * p)})" for p, x in zip(levels, at, strict=True)]
+    if signed:
+        return [-p for p in levels[::-1]] + [0.0] + list(levels), [f"-{n}" for n in names[::-1]] + [
+            "0"
+        ] + names
+    return [0.0, *levels], ["0", *names]
 
 
 def _tick_labels(labels, ticks: list[int], positions, always: bool = False) -> list[str]:

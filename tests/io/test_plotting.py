@@ -175,3 +175,34 @@ def test_html_view_in_a_real_browser(tmp_path):
     assert "logit score (log scale; red &gt; 0, white 0, blue &lt; 0" in dom  # the legend
     dom, _ = _dump(browser, path.as_uri())
     assert '<b id="name">layer 7</b>' in dom and "(linear scale;" in dom  # the default: the last layer
+
+
+def test_the_colour_bar_label_fits_a_small_figure():
+    """The README's own small plot (a few tokens, one layer): the colour bar's label, wrapped to the bar's
+    height, lies inside the figure (its long one-line form ran past the top and bottom edges)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    s = np.tril(np.random.default_rng(1).random((1, 4, 4), dtype=np.float32))
+    fig = plotting.heatmap_figure(s, list("abcd"), value_label="alti score")
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    label = fig.bar.ax.yaxis.label
+    box, frame = label.get_window_extent(canvas.get_renderer()), fig.bbox
+    assert box.y0 >= frame.y0 - 1 and box.y1 <= frame.y1 + 1 and box.x1 <= frame.x1 + 1, (box, frame)
+    assert "grey: no score" in label.get_text().replace("\n", " ")
+
+
+@pytest.mark.parametrize("signed", [False, True])
+def test_the_quantile_colour_bar_names_score_values(signed):
+    """Under the quantile scale the bar's ticks name the |score| at the 50th, 90th and 100th percentile of
+    the scored cells (mirrored for a signed map), not bare percentages."""
+    rng = np.random.default_rng(2)
+    s = np.tril(rng.random((2, 7, 7), dtype=np.float32)) * (rng.choice([-1, 1], (2, 7, 7)) if signed else 1)
+    fig = plotting.heatmap_figure(s, list("abcdefg"), scale="quantile")
+    scored = np.abs(s[:, np.tril_indices(7)[0], np.tril_indices(7)[1]]).astype(np.float64)
+    want = [
+        f"{x:.3g} (q{q})" for q, x in zip((50, 90, 100), np.quantile(scored, (0.5, 0.9, 1.0)), strict=True)
+    ]
+    names = [t.get_text() for t in fig.bar.ax.get_yticklabels()]
+    expect = ([f"-{n}" for n in want[::-1]] + ["0"] + want) if signed else ["0", *want]
+    assert names == expect, names
