@@ -16,7 +16,7 @@ import io
 import json
 import math
 import os
-import textwrap
+import re
 from pathlib import Path
 
 import numpy as np
@@ -167,7 +167,7 @@ def heatmap_figure(
     # the label runs along the bar (0.8 of the figure's height): wrapped to fit it, so a small figure
     # shows all of it (one line of 8 pt text holds ~13 characters per inch)
     fits = max(16, int(0.8 * fig.get_figheight() * 13))
-    bar.set_label(textwrap.fill(_legend_text(value_label, scale, signed), fits), fontsize=8)
+    bar.set_label(_wrap_phrases(_legend_text(value_label, scale, signed), fits), fontsize=8)
     ticks, names = _bar_ticks(scale, signed, top, values_of=np.abs(scores[np.isfinite(values)]))
     bar.set_ticks(ticks)
     bar.set_ticklabels(names)
@@ -175,6 +175,20 @@ def heatmap_figure(
         fig.suptitle(title)
     fig.panels, fig.bar = panels, bar
     return fig
+
+
+def _wrap_phrases(text: str, width: int) -> str:
+    """``text`` in lines of at most ``width`` characters, broken only between its phrases (after "; " or
+    ", " and before "("), so that no phrase ("blue < 0 < red") is split; a longer phrase keeps its own
+    line."""
+    phrases = re.split(r"(?<=[;,]) | (?=\()", text)
+    lines = [phrases[0]]
+    for phrase in phrases[1:]:
+        if len(lines[-1]) + 1 + len(phrase) <= width:
+            lines[-1] += " " + phrase
+        else:
+            lines.append(phrase)
+    return "\n".join(lines)
 
 
 def _legend_text(value_label: str, scale: str, signed: bool) -> str:
