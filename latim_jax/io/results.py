@@ -27,7 +27,9 @@ class Attribution:
     and on padding; tokens (B, L) (None when the call passed embeddings); mask (B, L) bool of valid
     positions, or None when every position is real; aggregation: the hidden-attention aggregation
     (None for other methods);
-    extra: method-specific arrays - "targets" (B, L) vocabulary entries for logit/grad_input;
+    extra: method-specific arrays - "targets" (B, L) vocabulary entries for logit/grad_input, and
+    "foil" (B, L) the contrastive foil when one was given (then every logit below is the difference
+    logit(target) - logit(foil));
     for "logit": "direct" (B, R) embedding term, "bias" (B, n_layers, R) bias terms, "logit" (B, R) the
     model's logit (all 0 on pad rows), "alti" (B, n_layers, L, L) for the rollout; for mode "paper":
     "approximation_error" (B, n_layers) = per prompt, the mean over its real positions i of

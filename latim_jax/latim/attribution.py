@@ -24,7 +24,9 @@ from latim_jax.kernels import f32
 from latim_jax.latim import memory
 from latim_jax.latim.baselines import grad_input_scores
 from latim_jax.latim.kinds import check_mode, factors, full_contributions
-from latim_jax.latim.request import LayerJob, Request, check_targets, layer_job, output_precision, request
+from latim_jax.latim.request import (
+    LayerJob, Request, check_foil, check_targets, layer_job, output_precision, request,
+)  # fmt: skip
 from latim_jax.latim.scores import kept_pairs, layer_scores, token_sum
 from latim_jax.model.inputs import check_layers, is_traced
 from latim_jax.model.jit import bound_compiled_programs, jit_model_fn
@@ -230,6 +232,7 @@ def attribute(
     mask=None,
     *,
     target=None,
+    foil=None,
     impl: str = "auto",
     blocks=None,
     aggregation: str | None = None,
@@ -265,6 +268,11 @@ def attribute(
         the logit extras there; the paper-mode error averages real positions only.
       target: vocabulary entries for "logit"/"grad_input": None (the model's own prediction at each
         position), an int, or ints (B, L).
+      foil: a contrastive target for "logit"/"grad_input" (an int or ints (B, L), like ``target``): the
+        scores then explain logit(target) - logit(foil) ("why this token rather than that one"); for
+        "logit" the identity stays exact, logit(target) - logit(foil) = direct + sum of the layers'
+        contributions + their bias terms, and ``extra["logit"]`` holds the difference, ``extra["foil"]``
+        the foil ids. Any other method refuses it.
       impl: "auto" (Pallas kernels on TPU/GPU, XLA on CPU), "xla", or "pallas" (the scan kernels and the
         fused score kernel; interpret mode on CPU).
       blocks: a :class:`latim_jax.Blocks` of tile sizes (None fields: the running path's defaults).
@@ -333,14 +341,15 @@ def attribute(
             top_k=top_k, out_dtype=out_dtype, stream=stream_to is not None, blocks=blocks,
         )  # fmt: skip
     targets = check_targets(target, x.batch, x.length, model.config.n_tokens, padded=x.h.shape[1])
+    foil = check_foil(foil, method, x.batch, x.length, model.config.n_tokens, padded=x.h.shape[1])
     with forward_mode_needs_xla(ctx.kernels):
-        result = _run(model, x, req, ctx, targets)
+        result = _run(model, x, req, ctx, targets, foil)
     if not is_traced(x.h):  # never inside a user's transformation
         bound_compiled_programs()
     return result
 
 
-def _run(model, x, req: Request, ctx: Context, targets) -> Attribution:
+def _run(model, x, req: Request, ctx: Context, targets, foil=None) -> Attribution:
     """Score the request's layers in one pass over the model (see :func:`attribute`).
 
     Every array a program sees has the computed length ``x.h.shape[1]`` (the bucket's, with bucket
@@ -352,17 +361,23 @@ def _run(model, x, req: Request, ctx: Context, targets) -> Attribution:
         row_idx, score_rows = np.arange(computed), None
     else:
         row_idx = score_rows = jax.device_put(np.asarray(req.rows, np.int32))
-    if targets is not None and ctx.mesh is not None:
+    if ctx.mesh is not None:
         size = ctx.axis_size(DATA)
-        targets = put(pad_batch(targets, size), ctx.mesh, P(DATA if size > 1 else None))
+        targets, foil = (
+            None if t is None else put(pad_batch(t, size), ctx.mesh, P(DATA if size > 1 else None))
+            for t in (targets, foil)
+        )
     keep = (lambda a: a) if ctx.mesh is None else (lambda a: jax.tree.map(lambda v: v[: x.batch], gather(a)))
     extra, direction, streams, logit = {}, None, None, None
     if job.needs_final:  # a forward first, keeping every layer's input
         streams = model.run_layers(x.h, x.mask, ctx)
         targets, logit = _head_targets(model, streams[-1], targets)
         extra["targets"] = targets
+        if foil is not None:  # the contrast: every logit below is logit(target) - logit(foil)
+            logit = logit - _head_targets(model, streams[-1], foil)[1]
+            extra["foil"] = foil
         if job.method == "logit":
-            direction = _logit_direction(model, streams[-1], targets, hold_fixed=job.hold_fixed)
+            direction = _logit_direction(model, streams[-1], targets, foil, hold_fixed=job.hold_fixed)
     n_rows = n_real if req.rows is None else len(req.rows)  # the result's rows
     shape = (x.batch, len(req.layers), n_rows, n_real if req.top_k is None else req.top_k)
     sink = StreamWriter(req.stream_to, shape, req.out_dtype) if req.stream_to is not None else None
@@ -382,7 +397,9 @@ def _run(model, x, req: Request, ctx: Context, targets) -> Attribution:
             else:
                 h_in = model.run_layers(h, x.mask, ctx, start=at, stop=layer, embeddings=x.h)[-1]
             if job.method == "grad_input":
-                scores = grad_input_scores(model, h_in, layer, row_idx, targets, x.mask, ctx, embeddings=x.h)
+                scores = grad_input_scores(
+                    model, h_in, layer, row_idx, targets, x.mask, ctx, embeddings=x.h, foil=foil
+                )
                 out = {"scores": scores}
             else:
                 block = model.layers[layer]
@@ -432,10 +449,10 @@ def _result(model, x, req, done, extra, streams, direction, logit, row_idx, keep
         extra["approximation_error"] = jnp.stack([p["error"] for p in per_layer], 1)
     if req.top_k is not None:
         extra["sources"] = jnp.stack([p["sources"] for p in per_layer], 1)
-    extra = {k: (keep(v) if k in ("targets", "direct", "logit") else v) for k, v in extra.items()}
-    # the caller's lengths of each extra's last axes: positions (targets), rows (direct, logit, bias),
-    # rows x sources (sources), positions x positions (alti)
-    lengths = {"targets": (n_real,), "direct": (n_rows,), "logit": (n_rows,), "bias": (n_rows,),
+    extra = {k: (keep(v) if k in ("targets", "foil", "direct", "logit") else v) for k, v in extra.items()}
+    # the caller's lengths of each extra's last axes: positions (targets, foil), rows (direct, logit,
+    # bias), rows x sources (sources), positions x positions (alti)
+    lengths = {"targets": (n_real,), "foil": (n_real,), "direct": (n_rows,), "logit": (n_rows,), "bias": (n_rows,),
                "sources": (n_rows, req.top_k), "alti": (n_real, n_real)}  # fmt: skip
     extra = {k: _cut(v, lengths.get(k, ())) for k, v in extra.items()}
     scores = None
@@ -522,12 +539,15 @@ def _head_targets(model, h, targets):
 
 
 @jit_model_fn(static_argnames=("hold_fixed",))
-def _logit_direction(model, h_final, targets, hold_fixed=False):
+def _logit_direction(model, h_final, targets, foil=None, hold_fixed=False):
     """v_i = g_f * E_{w_i} / (r_i s) (b, l, d), r_i from the stream entering the final norm (held fixed:
-    no gradient through r_i), s the logits' scaling (1 but for Granite)."""
+    no gradient through r_i), s the logits' scaling (1 but for Granite). With a foil f_i the row is
+    E_{w_i} - E_{f_i}: the logit is linear in the row, so the difference's identity is as exact."""
     r_inv = jax.lax.rsqrt(jnp.mean(h_final * h_final, -1, keepdims=True) + model.config.rms_eps)
     r_inv = jax.lax.stop_gradient(r_inv) if hold_fixed else r_inv
     row = jnp.take(model.unembedding, targets, axis=0).astype(f32)
+    if foil is not None:
+        row = row - jnp.take(model.unembedding, foil, axis=0).astype(f32)
     return model.norm_f[...].astype(f32) * row * r_inv / model.config.logits_scaling
 
 

@@ -140,12 +140,16 @@ def request(
     )  # fmt: skip
 
 
-def check_targets(target, batch: int, length: int, vocab: int, padded: int | None = None):
+TARGET_METHODS = ("logit", "grad_input")  # the methods that read a vocabulary target (and a foil)
+
+
+def check_targets(target, batch: int, length: int, vocab: int, padded: int | None = None, name="target"):
     """Target vocabulary entries (b, l) int32, validated before any cast (concrete values only), or None.
 
     ``padded``: the computed length (>= ``length``, with bucket padding): the targets are right-padded
     to it (any id serves at padding positions; 0 is used). Concrete targets are built and padded on the
-    host and placed with ``jax.device_put``, so that no program is compiled for the caller's length."""
+    host and placed with ``jax.device_put``, so that no program is compiled for the caller's length.
+    ``name``: the argument's name in messages ("target" or "foil")."""
     if target is None:
         return None
     padded = length if padded is None else padded
@@ -155,19 +159,34 @@ def check_targets(target, batch: int, length: int, vocab: int, padded: int | Non
         t = np.asarray(target)
         if t.dtype == object or not np.issubdtype(t.dtype, np.integer):
             raise ValueError(
-                f"target must be an int or int ids of shape {(batch, length)}, found dtype {t.dtype}"
+                f"{name} must be an int or int ids of shape {(batch, length)}, found dtype {t.dtype}"
             )
         if t.size and (int(t.min()) < 0 or int(t.max()) >= vocab):
-            raise ValueError(f"target ids must lie in [0, {vocab}), found min {t.min()} max {t.max()}")
+            raise ValueError(f"{name} ids must lie in [0, {vocab}), found min {t.min()} max {t.max()}")
     if t.ndim == 0:
         t = jnp.full((batch, length), t, jnp.int32) if is_traced(t) else np.full((batch, length), t, np.int32)
     if tuple(t.shape) != (batch, length) or not jnp.issubdtype(t.dtype, jnp.integer):
         raise ValueError(
-            f"target must be an int or int ids of shape {(batch, length)}, found {t.dtype} {tuple(t.shape)}"
+            f"{name} must be an int or int ids of shape {(batch, length)}, found {t.dtype} {tuple(t.shape)}"
         )
     if is_traced(t):
         return jnp.pad(t.astype(jnp.int32), ((0, 0), (0, padded - length)))
     return jax.device_put(np.pad(t.astype(np.int32), ((0, 0), (0, padded - length))))
+
+
+def check_foil(foil, method: str, batch: int, length: int, vocab: int, padded: int | None = None):
+    """The contrastive foil (b, l) int32 (as :func:`check_targets`), or None. A foil asks for target minus
+    foil, which only the methods that read a target score (``TARGET_METHODS``): any other method
+    refuses it rather than ignore it."""
+    if foil is None:
+        return None
+    if method not in TARGET_METHODS:
+        raise ValueError(
+            f"foil= contrasts two vocabulary targets, which method={method!r} does not read: use "
+            f"method='logit' (exact: logit(target) - logit(foil) = direct + contributions + bias) or "
+            "'grad_input'"
+        )
+    return check_targets(foil, batch, length, vocab, padded, name="foil")
 
 
 def _warn_minmax_subset(model, job: LayerJob, row_list, length: int) -> None:
