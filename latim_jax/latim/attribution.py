@@ -25,8 +25,14 @@ from latim_jax.latim import memory
 from latim_jax.latim.baselines import grad_input_scores
 from latim_jax.latim.kinds import check_mode, factors, full_contributions
 from latim_jax.latim.request import (
-    LayerJob, Request, check_foil, check_targets, layer_job, output_precision, request,
-)  # fmt: skip
+    LayerJob,
+    Request,
+    check_foil,
+    check_targets,
+    layer_job,
+    output_precision,
+    request,
+)
 from latim_jax.latim.scores import kept_pairs, layer_scores, token_sum
 from latim_jax.model.inputs import check_layers, is_traced
 from latim_jax.model.jit import bound_compiled_programs, jit_model_fn
@@ -452,8 +458,8 @@ def _result(model, x, req, done, extra, streams, direction, logit, row_idx, keep
     extra = {k: (keep(v) if k in ("targets", "foil", "direct", "logit") else v) for k, v in extra.items()}
     # the caller's lengths of each extra's last axes: positions (targets, foil), rows (direct, logit,
     # bias), rows x sources (sources), positions x positions (alti)
-    lengths = {"targets": (n_real,), "foil": (n_real,), "direct": (n_rows,), "logit": (n_rows,), "bias": (n_rows,),
-               "sources": (n_rows, req.top_k), "alti": (n_real, n_real)}  # fmt: skip
+    lengths = {"targets": (n_real,), "foil": (n_real,), "direct": (n_rows,), "logit": (n_rows,),
+               "bias": (n_rows,), "sources": (n_rows, req.top_k), "alti": (n_real, n_real)}  # fmt: skip
     extra = {k: _cut(v, lengths.get(k, ())) for k, v in extra.items()}
     scores = None
     if req.stream_to is None:

@@ -31,7 +31,8 @@ def target_logits(
 
     def logit(ids):
         rows_w = jnp.take(w, ids[:, rows], axis=0)  # (b, r, d)
-        return jnp.einsum("brd,brd->br", final, rows_w, preferred_element_type=f32) / model.config.logits_scaling
+        logits = jnp.einsum("brd,brd->br", final, rows_w, preferred_element_type=f32)
+        return logits / model.config.logits_scaling
 
     return logit(targets) if foil is None else logit(targets) - logit(foil)
 
