@@ -193,3 +193,28 @@ def assert_logit_identity_padding_and_rows(model, tokens, pad: int = 6):
         np.testing.assert_allclose(full.scores[1, :, pad:, pad:], alone.scores[0], rtol=2e-5, atol=2e-6)
         last = latim_jax.attribute(model, tokens, method=method, mask=mask, rows=[-1, 10])
         np.testing.assert_allclose(last.scores, full.scores[:, :, [length - 1, 10]], rtol=2e-5, atol=2e-6)
+
+
+def chromium():
+    """The path of a headless Chromium, or skip (fail when LATIM_JAX_REQUIRE_BROWSER is set, as in CI)."""
+    import os
+    import shutil
+
+    found = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    if found is None and os.environ.get("LATIM_JAX_REQUIRE_BROWSER"):
+        pytest.fail("LATIM_JAX_REQUIRE_BROWSER is set and no Chromium is installed")
+    if found is None:
+        pytest.skip("no Chromium here (CI installs Debian's chromium and requires it)")
+    return found
+
+
+def dump_dom(browser, url) -> tuple[str, str]:
+    """(the DOM after the page's scripts ran, the browser's log) of ``url`` in headless ``browser``."""
+    import subprocess
+
+    done = subprocess.run(
+        [browser, "--headless=new", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0",
+         "--virtual-time-budget=5000", "--dump-dom", url],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    return done.stdout, done.stderr

@@ -72,14 +72,6 @@ DESCRIPTION = """LaTIM token-to-token attribution for Mamba models.
 commands: attribute (one prompt: scores, a figure, an HTML view), attribute-dataset (every prompt of
 a file, resumable), info, generate, evaluate (the task experiments), convert, check (logits and hidden
 states against transformers, needs torch). Run 'latim-jax COMMAND --help' for each one's options."""
-VALUE_LABELS = {  # what a map's colour shows, per method (the figure's legend)
-    "l2": "l2: ||T_i(x_j)||, how much source j moves into target i",
-    "l1": "l1: ||T_i(x_j)||_1, how much source j moves into target i",
-    "alti": "alti: source j's share of target i",
-    "logit": "logit: source j's push on target i's next-token logit",
-    "hidden_attention": "hidden attention of target i on source j",
-    "grad_input": "gradient x input: source j's effect on target i's next-token logit",
-}
 DTYPES = ("float32", "bfloat16", "float16")  # parameter dtypes `convert` casts to
 CHECK_TOLERANCE = 1e-4
 
@@ -359,7 +351,7 @@ def _pictures(args, model, result, labels, plot_layers):
     title = f"{model.source}: {args.method}" + (
         f" ({args.mode} mode)" if args.method in LATIM_METHODS else ""
     )
-    what = VALUE_LABELS.get(args.method, f"{args.method} score")
+    what = plotting.value_label(args.method)
     if args.rollout:
         what = f"{args.method} rollout: source j's share of target i through every layer"
         if args.method == "logit":

@@ -254,6 +254,22 @@ def heatmap_grid(
 
 
 HTML_CELL_BUDGET = 4_000_000  # map cells one HTML page holds (about 2.7 bytes each): ~11 MB at most
+NOTEBOOK_CELL_BUDGET = 250_000  # the notebook view's (Attribution._repr_html_): ~0.7 MB per output
+NOTEBOOK_HEIGHT_PX = 640  # the notebook view's iframe height
+VALUE_LABELS = {  # what a map's colour shows, per method (the figure's legend)
+    "l2": "l2: ||T_i(x_j)||, how much source j moves into target i",
+    "l1": "l1: ||T_i(x_j)||_1, how much source j moves into target i",
+    "alti": "alti: source j's share of target i",
+    "logit": "logit: source j's push on target i's next-token logit",
+    "hidden_attention": "hidden attention of target i on source j",
+    "grad_input": "gradient x input: source j's effect on target i's next-token logit",
+}
+
+
+def value_label(method: str) -> str:
+    """What a map of ``method`` shows (the colour legend's text)."""
+    return VALUE_LABELS.get(method, f"{method} score")
+
 
 VIEWER = Path(__file__).with_name("viewer.html")  # the page; __NAME__ placeholders filled in below
 
@@ -275,13 +291,40 @@ def html_view(
     scores, labels, path, *, title="latim-jax attribution", layer_names=None, row_labels=None, rows=None,
     value_label="score", scale="linear",
 ):  # fmt: skip
-    """Write a standalone HTML page of (n_layers, R, L) maps: a canvas per map drawn from the data
+    """Write :func:`html_page` of (n_layers, R, L) maps to ``path`` (atomically), with the page's
+    default cell budget :data:`HTML_CELL_BUDGET`."""
+    page = html_page(
+        scores, labels, title=title, layer_names=layer_names, row_labels=row_labels, rows=rows,
+        value_label=value_label, scale=scale,
+    )  # fmt: skip
+    write_page(path, page)
+
+
+def write_page(path, page: str) -> None:
+    """Write an HTML page (str) to ``path`` atomically."""
+    write_bytes_atomic(path, page.encode())
+
+
+def iframe(page: str, height: int = NOTEBOOK_HEIGHT_PX) -> str:
+    """``page`` inside an ``<iframe srcdoc>``: a notebook output that keeps the viewer's element ids and
+    script to itself (several views in one notebook do not collide)."""
+    return (
+        f'<iframe srcdoc="{html.escape(page, quote=True)}" style="width: 100%; height: {int(height)}px; '
+        'border: 1px solid #ddd" sandbox="allow-scripts"></iframe>'
+    )
+
+
+def html_page(
+    scores, labels, *, title="latim-jax attribution", layer_names=None, row_labels=None, rows=None,
+    value_label="score", scale="linear", budget: int = HTML_CELL_BUDGET,
+):  # fmt: skip
+    """A standalone HTML page (str) of (n_layers, R, L) maps: a canvas per map drawn from the data
     (stored once, as float16 relative to the largest |value|), a layer switch, a colour-scale switch
     (linear / log / quantile; ``scale`` the initial one), a colour legend saying what the colour
     means, and hover text naming the target's and source's positions and tokens and the value.
 
-    Bounded size: past :data:`HTML_CELL_BUDGET` cells the maps are pooled (each cell then a square
-    block of positions, showing its largest |value|; the page says so). ``rows``: the R rows'
+    Bounded size: past ``budget`` cells (default :data:`HTML_CELL_BUDGET`) the maps are pooled (each cell
+    then a square block of positions, showing its largest |value|; the page says so). ``rows``: the R rows'
     positions (default 0 .. R-1); cells after the target are grey. ``#layer=K&scale=log&hover=I,J`` in
     the address opens that view."""
     if scale not in SCALES:
@@ -292,7 +335,7 @@ def html_view(
     row_labels = list(labels) if row_labels is None else list(row_labels)
     values = causal_nan(scores, positions)
     top, signed = _value_range(values)
-    factor = max(1, math.ceil(math.sqrt(n * R * L / HTML_CELL_BUDGET)))
+    factor = max(1, math.ceil(math.sqrt(n * R * L / budget)))
     if factor > 1:
         values = _pool(values, factor)
     rel = (values / top if top > 0 else np.where(np.isfinite(values), 0.0, np.nan)).astype(np.float16)
@@ -321,8 +364,7 @@ def html_view(
     page = VIEWER.read_text(encoding="utf-8")
     for key, value in fill.items():  # the data last: nothing inside it is replaced
         page = page.replace(key, value)
-    page = page.replace("<option>" + scale + "</option>", "<option selected>" + scale + "</option>")
-    write_bytes_atomic(path, page.encode())
+    return page.replace("<option>" + scale + "</option>", "<option selected>" + scale + "</option>")
 
 
 def _span_label(names, positions, k: int, factor: int) -> str:

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from latim_jax.io import plotting
+from latim_jax.io import spans as spans_
 from latim_jax.io.atomic import write_npz_atomic
 from latim_jax.io.stream import read_parts
 from latim_jax.version import __version__
@@ -42,6 +44,13 @@ class Attribution:
     n_layers: the model's depth (``layers`` may be a subset; None in files written before the field).
     layer_kinds: the kind of each scored layer, in the order of ``scores``' layer axis ("mamba1",
     "mamba2", "attention", "mlp"; None in files written before the field).
+    labels: per prompt, a label per position of the last axis (tokens' or, after :meth:`aggregate`,
+    spans' words), which pictures and the notebook view show; None: positions show their ids
+    (:meth:`with_labels` sets them).
+    After :meth:`aggregate`, the last axis (and the rows, when every row was held) are spans, and
+    ``extra["spans"]`` (B, S, 2) holds each span's [start, end) token positions (-1 past a prompt's
+    spans, which ``mask`` marks as not real).
+    In a notebook the result shows itself as the HTML viewer (:meth:`_repr_html_`).
     """
 
     scores: jax.Array
@@ -58,6 +67,7 @@ class Attribution:
     precision: str = dataclasses.field(default="float32", metadata=dict(static=True))
     n_layers: int | None = dataclasses.field(default=None, metadata=dict(static=True))
     layer_kinds: tuple | None = dataclasses.field(default=None, metadata=dict(static=True))
+    labels: tuple | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     def check_finite(self) -> None:
         """Raise FloatingPointError naming the layers whose scores hold NaN/inf (concrete inputs only;
@@ -79,6 +89,13 @@ class Attribution:
         """
         if self.method not in ROLLOUT_METHODS:
             raise ValueError(f"rollout is defined for {ROLLOUT_METHODS}, not {self.method!r}")
+        if "spans" in self.extra:
+            raise ValueError(
+                "rollout multiplies token-level maps, and this result is aggregated over spans: roll out "
+                "the token-level result and aggregate that (aggregate carries extra['rollout'] along: "
+                "r = dataclasses.replace(res, extra={**res.extra, 'rollout': res.rollout()}); "
+                "r.aggregate(spans))"
+            )
         if self.top_k is not None:
             raise ValueError("rollout needs whole score matrices, not top_k sources (call without top_k)")
         if self.method == "hidden_attention" and self.aggregation == "signed":
@@ -122,6 +139,119 @@ class Attribution:
                 steps.append(R)
         return jnp.stack(steps, 1) if per_layer else steps[-1]
 
+    def aggregate(self, spans, rows: str = "last") -> Attribution:
+        """The scores over spans of positions (words, phrases) instead of tokens.
+
+        ``spans``: a :class:`latim_jax.io.spans.Spans` (e.g. from :func:`latim_jax.word_spans`), a list
+        of (start, end) pairs, or one of those per prompt; each prompt's spans must cover its real
+        positions (padding excluded) consecutively, each position once. Sources are summed over each
+        span, so every row keeps its total (ALTI rows still sum to 1; for "logit", direct + scores +
+        bias still equal the logit). Target rows, when the result holds every row, follow ``rows``:
+        "last" (default: the row of the span's last token, where a causal model has read all of it) or
+        "mean" (the span's rows averaged; the logit extras alike); a row subset keeps its rows. The
+        extras "alti" and "rollout" are aggregated on both axes, "direct", "logit" and "bias" on rows;
+        "targets" / "foil" stay per token. Labels come from the spans' labels.
+
+        Returns an Attribution whose last axis is S spans (the most any prompt has; ``mask`` marks a
+        prompt's real spans when they differ in count) and ``extra["spans"]`` their bounds."""
+        if self.top_k is not None:
+            raise ValueError("aggregate needs whole score matrices, not top_k sources (call without top_k)")
+        if "spans" in self.extra:
+            raise ValueError("this result is already aggregated over spans: aggregate the token-level result")
+        if isinstance(self.scores, jax.core.Tracer):
+            raise ValueError("aggregate works on concrete results (outside jax transformations)")
+        B, L = self.scores.shape[0], self.scores.shape[-1]
+        parts = spans_.per_prompt(spans, B)
+        mask = np.ones((B, L), bool) if self.mask is None else np.asarray(self.mask, bool)
+        spans_.check_cover(parts, mask)
+        G, W = spans_.matrices(parts, L, rows)
+        all_rows = self.rows is None
+        dtype = self.scores.dtype
+
+        def cols(a):  # (B, ..., L) -> (B, ..., S): sources summed
+            return jnp.einsum("b...l,bsl->b...s", jnp.asarray(a, jnp.float32), G)
+
+        def row_rule(a, axis):  # the row axis ``axis`` of (B, ...) from L positions to S spans
+            a = jnp.moveaxis(jnp.asarray(a, jnp.float32), axis, -1)
+            return jnp.moveaxis(jnp.einsum("b...l,bsl->b...s", a, W), -1, axis)
+
+        scores = cols(self.scores)
+        if all_rows:
+            scores = row_rule(scores, 2)
+        extra = dict(self.extra)
+        for key, axis in (("direct", 1), ("logit", 1), ("bias", 2)):
+            if key in extra and all_rows:
+                extra[key] = row_rule(extra[key], axis)
+        for key, axis in (("alti", 2), ("rollout", 1)):
+            if key in extra:
+                extra[key] = row_rule(cols(extra[key]), axis)
+        S = G.shape[1]
+        bounds = np.full((B, S, 2), -1, np.int32)
+        for b, p in enumerate(parts):
+            bounds[b, : len(p)] = p.bounds
+        extra["spans"] = jnp.asarray(bounds)
+        real = G.sum(-1) > 0  # (B, S)
+        labels = None
+        if any(p.labels is not None for p in parts):
+            labels = tuple(
+                tuple(p.labels or [f"{a}-{e - 1}" for a, e in p.bounds]) + ("",) * (S - len(p)) for p in parts
+            )
+        return dataclasses.replace(
+            self, scores=scores.astype(dtype), extra=extra, mask=None if real.all() else jnp.asarray(real),
+            labels=labels,
+        )  # fmt: skip
+
+    def with_labels(self, labels) -> Attribution:
+        """This result with a label per position of the last axis: one list of str for every prompt, or
+        one list per prompt (e.g. from :func:`latim_jax.token_labels`)."""
+        B, L = self.scores.shape[0], self.scores.shape[-1]
+        items = list(labels)
+        per = [items] * B if items and isinstance(items[0], str) else items
+        if len(per) != B or any(len(x) != L for x in per):
+            raise ValueError(
+                f"labels must be {L} strings (one per position), or one such list per prompt ({B})"
+            )
+        return dataclasses.replace(self, labels=tuple(tuple(str(x) for x in p) for p in per))
+
+    def _repr_html_(self) -> str | None:
+        """The notebook view: the first prompt's maps in the HTML viewer (the page :meth:`save_html`
+        writes), inside an iframe and pooled past ``plotting.NOTEBOOK_CELL_BUDGET`` cells so a long
+        prompt stays a small output; None (the plain repr) for top_k results, which hold no maps."""
+        if self.top_k is not None or isinstance(self.scores, jax.core.Tracer):
+            return None
+        return plotting.iframe(self._page(plotting.NOTEBOOK_CELL_BUDGET))
+
+    def save_html(self, path, prompt: int = 0) -> None:
+        """Write prompt ``prompt``'s maps as a standalone HTML page (atomically)."""
+        plotting.write_page(path, self._page(plotting.HTML_CELL_BUDGET, prompt))
+
+    def _page(self, budget: int, prompt: int = 0) -> str:
+        """The viewer page of one prompt's maps, pooled past ``budget`` cells."""
+        if self.top_k is not None:
+            raise ValueError("a top_k result holds the strongest sources, not maps: call without top_k")
+        B, L = self.scores.shape[0], self.scores.shape[-1]
+        if not 0 <= prompt < B:
+            raise ValueError(f"prompt must be in [0, {B}), found {prompt}")
+        if self.labels is not None:
+            labels = list(self.labels[prompt])
+        elif self.tokens is not None and "spans" not in self.extra:
+            labels = [str(int(t)) for t in np.asarray(self.tokens[prompt])]
+        else:
+            labels = [str(k) for k in range(L)]
+        kinds = self.layer_kinds or (None,) * len(self.layers)
+        names = [f"layer {k}" + (f" ({t})" if t else "") for k, t in zip(self.layers, kinds, strict=True)]
+        rows = list(range(L)) if self.rows is None else list(self.rows)
+        row_labels = labels if self.rows is None else [str(r) for r in rows]
+        if self.rows is not None and self.labels is not None and "spans" not in self.extra:
+            row_labels = [labels[r] for r in rows]
+        mode = f" ({self.mode} mode)" if self.method in ("l2", "l1", "alti", "logit") else ""
+        title = f"{self.model or 'latim-jax'}: {self.method}{mode}"
+        title += f", prompt {prompt} of {B}" if B > 1 else ""
+        return plotting.html_page(
+            np.asarray(self.scores[prompt], np.float32), labels, title=title, layer_names=names,
+            row_labels=row_labels, rows=rows, value_label=plotting.value_label(self.method), budget=budget,
+        )  # fmt: skip
+
     def _valid_eye(self, eye):
         """I restricted to real positions (B or 1, 1, L, L): padding stays exactly 0 in rollouts."""
         if self.mask is None:
@@ -146,6 +276,7 @@ class Attribution:
             "layer_kinds": None if self.layer_kinds is None else list(self.layer_kinds),
             "has_tokens": self.tokens is not None,
             "has_mask": self.mask is not None,
+            "labels": None if self.labels is None else [list(p) for p in self.labels],
         }
 
     def arrays(self) -> dict:
@@ -204,4 +335,5 @@ class Attribution:
             precision=meta.get("precision", "float32"),  # files written before the field: fp32
             n_layers=meta.get("n_layers"),
             layer_kinds=None if meta.get("layer_kinds") is None else tuple(meta["layer_kinds"]),
+            labels=None if meta.get("labels") is None else tuple(tuple(p) for p in meta["labels"]),
         )

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from latim_jax.io.atomic import write_bytes_atomic
+from latim_jax.io.spans import visible
 from latim_jax.tasks import registry
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -112,12 +113,13 @@ def encode(model, text: str) -> tuple[list[int], list[str]]:
 
 def _label(tok, i: int, token: str | None) -> str:
     """A token as a reader sees it: decoded where the tokenizer has a decoder (byte-level BPE's
-    ``Ġcat`` is `` cat``), else its vocabulary entry, else the id."""
+    ``Ġcat`` is `` cat``), else its vocabulary entry, else the id; whitespace that would not show (a
+    space-only token, a line break) made visible (:func:`latim_jax.io.spans.visible`: ␣, ↵)."""
     if tok.decoder is not None:
         text = tok.decode([int(i)])
         if text:
-            return text
-    return token or str(int(i))
+            return visible(text)
+    return visible(token) if token else str(int(i))
 
 
 def encoder(model):

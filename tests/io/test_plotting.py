@@ -7,6 +7,7 @@ import struct
 
 import numpy as np
 import pytest
+from conftest import chromium, dump_dom
 
 from latim_jax.io import plotting
 
@@ -134,46 +135,23 @@ def test_html_is_bounded_and_pooled_past_its_budget(tmp_path):
     assert pooled[0, 1, 0] == block.flat[np.nanargmax(np.abs(block))] and np.isnan(pooled[0, 0, 1])
 
 
-def _chromium():
-    import os
-    import shutil
-
-    found = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
-    if found is None and os.environ.get("LATIM_JAX_REQUIRE_BROWSER"):
-        pytest.fail("LATIM_JAX_REQUIRE_BROWSER is set and no Chromium is installed")
-    if found is None:
-        pytest.skip("no Chromium here (CI installs Debian's chromium and requires it)")
-    return found
-
-
-def _dump(browser, url) -> tuple[str, str]:
-    import subprocess
-
-    done = subprocess.run(
-        [browser, "--headless=new", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0",
-         "--virtual-time-budget=5000", "--dump-dom", url],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    return done.stdout, done.stderr
-
-
 def test_html_view_in_a_real_browser(tmp_path):
     """Headless Chromium opens the page: no script error, the legend says what the colour means, the
     layer switch and the scale switch apply, and hover text names positions and tokens."""
     import re
 
-    browser = _chromium()
+    browser = chromium()
     s = np.tril(np.random.default_rng(0).normal(size=(2, 5, 5))).astype(np.float32)
     labels = ["the", " cat", " sat", " on", " cat"]  # a repeated token: only the position tells them apart
     path = tmp_path / "v.html"
     plotting.html_view(s, labels, path, layer_names=["layer 3", "layer 7"], value_label="logit score")
-    dom, log = _dump(browser, path.as_uri() + "#layer=0&scale=log&hover=4,1")
+    dom, log = dump_dom(browser, path.as_uri() + "#layer=0&scale=log&hover=4,1")
     assert 'id="errors" style="color:#b00"></div>' in dom, re.findall(r'id="errors"[^<]*<', dom)
     assert "Uncaught" not in log
     assert '<b id="name">layer 3</b>' in dom  # the switch to the first layer applied
     assert "target 4: cat &lt;- source 1: cat:" in dom  # hover: positions and tokens
     assert "logit score (log scale; red &gt; 0, white 0, blue &lt; 0" in dom  # the legend
-    dom, _ = _dump(browser, path.as_uri())
+    dom, _ = dump_dom(browser, path.as_uri())
     assert '<b id="name">layer 7</b>' in dom and "(linear scale;" in dom  # the default: the last layer
 
 
