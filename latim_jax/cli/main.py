@@ -47,14 +47,18 @@ from latim_jax.io import plotting, progress
 from latim_jax.io.atomic import write_bytes_atomic
 from latim_jax.io.loading import resolve
 from latim_jax.io.results import ROLLOUT_METHODS
+from latim_jax.io.spans import ROW_RULES
 from latim_jax.latim import attribution
+from latim_jax.latim.generated import attribute_generated
 from latim_jax.latim.hidden_attention import AGGREGATIONS
 from latim_jax.latim.kinds import MODES
 from latim_jax.latim.memory import InsufficientMemoryError, human
+from latim_jax.latim.request import TARGET_METHODS
 from latim_jax.latim.scores import LATIM_METHODS, METHODS, PRECISIONS
 from latim_jax.model import generate as generation
 from latim_jax.model.kind import display_name
 from latim_jax.tasks import registry, vocab
+from latim_jax.tasks.words import word_spans
 
 __all__ = [
     "EXIT_FAILED",
@@ -269,10 +273,44 @@ def cmd_info(args):
     print(info.summary(model, resolve(args.model)))
 
 
-def cmd_attribute(args):
-    """`latim-jax attribute`: scores for one prompt, saved as .npz (+ a figure / HTML)."""
+def one_token(model, value: str | None, flag: str) -> int | None:
+    """The vocabulary id of ``--target`` / ``--foil``: an integer id, or a text that the model's tokenizer
+    makes exactly one token (with byte-level BPE, " cat" and "cat" are different tokens)."""
+    if value is None:
+        return None
+    n = model.config.n_tokens
+    if value.strip().lstrip("-").isdigit():
+        i = int(value)
+        if not 0 <= i < n:
+            raise UsageError(f"{flag} {i}: a token id must lie in [0, {n}) (the vocabulary)")
+        return i
+    ids, labels = tokenize(model, value)
+    if len(ids) != 1:
+        raise UsageError(
+            f"{flag} {value!r} is {len(ids)} tokens ({', '.join(repr(x) for x in labels)}), not one: give "
+            "one token's text (with its leading space where the tokenizer has one, e.g. ' cat') or its id"
+        )
+    return ids[0]
+
+
+def _check_attribute_options(args) -> None:
+    """The option combinations attribute refuses before loading anything."""
     if args.aggregation is not None and args.method != "hidden_attention":
         raise UsageError("--aggregation applies to --method hidden_attention only")
+    if (args.target is not None or args.foil is not None) and args.method not in TARGET_METHODS:
+        raise UsageError(
+            f"--target and --foil apply to --method {' / '.join(TARGET_METHODS)} (they name logits)"
+        )
+    if args.generate is not None and (args.rows or args.target is not None or args.rollout):
+        raise UsageError(
+            "--generate scores the generated tokens' rows, each with its token as target: it takes neither "
+            "--rows, --target nor --rollout (--foil contrasts each generated token with one foil)"
+        )
+
+
+def cmd_attribute(args):
+    """`latim-jax attribute`: scores for one prompt, saved as .npz (+ a figure / HTML)."""
+    _check_attribute_options(args)
     if args.plot is not None:
         try:
             plotting.figure_format(args.plot)
@@ -302,38 +340,44 @@ def cmd_attribute(args):
     ids, labels = _prompt(model, args, default=lambda m: default_prompt(m, args.seed))
     if not _prompt_flags(args):
         print(f"prompt (the task's default, --seed {args.seed}): {' '.join(labels)}")
+    target, foil = one_token(model, args.target, "--target"), one_token(model, args.foil, "--foil")
     extra = {} if args.aggregation is None else {"aggregation": args.aggregation}
-    try:
+    if foil is not None:
+        extra["foil"] = foil
+    options = dict(
+        method=args.method, mode=args.mode, layers=layers, precision=args.precision, impl=args.impl
+    )
+    if args.generate is not None:
+        result = _api_call(attribute_generated, model, np.asarray([ids]), args.generate, **options, **extra)
+        ids = [int(t) for t in np.asarray(result.tokens[0])]
+        new = token_labels(model, ids[len(labels) :])
+        print(f"generated {args.generate} token(s): {' '.join(new)}")
+        labels = labels + new
+    else:
         result = _api_call(
-            attribution.attribute,
-            model,
-            np.asarray([ids]),
-            method=args.method,
-            mode=args.mode,
-            layers=layers,
-            rows=rows,
-            precision=args.precision,
-            impl=args.impl,
-            **extra,
+            attribution.attribute, model, np.asarray([ids]), rows=rows, target=target, **options, **extra
         )
-    except TypeError as err:
-        if extra and "aggregation" in str(err):
-            raise UsageError("--aggregation needs a latim-jax whose attribute() takes aggregation=") from err
-        raise
+    result = result.with_labels(labels)
     if args.rollout:  # saved beside the per-layer scores; the pictures show it alone
         result = dataclasses.replace(result, extra={**result.extra, "rollout": result.rollout()})
+    if args.words is not None:
+        spans = _api_call(word_spans, model, np.asarray(ids))
+        result = result.aggregate(spans, rows=args.words)
     result.save(args.out)
     mode = f" ({args.mode} mode)" if args.method in LATIM_METHODS else ""  # baselines have no mode
-    print(f"wrote {args.out}: {args.method} scores{mode}, shape {tuple(result.scores.shape)}")
+    what = " over words" if args.words is not None else ""
+    print(f"wrote {args.out}: {args.method} scores{mode}{what}, shape {tuple(result.scores.shape)}")
     _pictures(args, model, result, labels, plot_layers)
     if "approximation_error" in result.extra:
         err = ", ".join(f"{e:.3f}" for e in np.asarray(result.extra["approximation_error"])[0])
         print(f"paper-mode approximation error per layer: {err}")
 
 
-def _pictures(args, model, result, labels, plot_layers):
-    """The --plot figure and the --html page of an attribute result."""
+def _pictures(args, model, result, token_labels_, plot_layers):
+    """The --plot figure and the --html page of an attribute result (its labels: tokens', or words'
+    after --words; ``token_labels_`` name a row subset's positions)."""
     scores = np.asarray(result.scores[0])
+    labels = list(result.labels[0])
     n = model.config.n_layers
     picked = list(range(len(result.layers)))
     if plot_layers is not None:  # checked against the scored layers before the computation
@@ -343,14 +387,15 @@ def _pictures(args, model, result, labels, plot_layers):
         f"layer {result.layers[k]}" + (f" ({display_name(kinds[result.layers[k]])})" if kinds else "")
         for k in picked
     ]
-    rows = list(result.rows) if result.rows is not None else list(range(len(labels)))
-    row_labels = [labels[r] for r in rows]
+    rows = result.picture_rows()  # a row subset over words: the word holding each row
+    row_labels = labels if result.rows is None else [token_labels_[r] for r in result.rows]
     if args.rollout:
         scores, picked = np.asarray(result.extra["rollout"]), [0]  # (B = 1, L, L): one panel
         names = [f"rollout of layers 0-{n - 1}"]
     title = f"{model.source}: {args.method}" + (
         f" ({args.mode} mode)" if args.method in LATIM_METHODS else ""
     )
+    title += ", over words" if args.words is not None else ""
     what = plotting.value_label(args.method)
     if args.rollout:
         what = f"{args.method} rollout: source j's share of target i through every layer"
@@ -515,6 +560,35 @@ def build_parser() -> Parser:
         default="linear",
         choices=plotting.SCALES,
         help="colour scale of --plot / --html: linear (default), log (small values visible), quantile",
+    )
+    a.add_argument(
+        "--generate",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="generate N tokens greedily after the prompt and score each generated token's row (its "
+        "token as the target of logit / grad_input); the file holds the prompt and the continuation",
+    )
+    a.add_argument(
+        "--target",
+        default=None,
+        help="logit / grad_input: the token each row explains, as one token's text or an id (default: the "
+        "model's own prediction at each position)",
+    )
+    a.add_argument(
+        "--foil",
+        default=None,
+        help="logit / grad_input: a contrastive token (text or id): the scores explain logit(target) - "
+        "logit(foil)",
+    )
+    a.add_argument(
+        "--words",
+        nargs="?",
+        const="last",
+        default=None,
+        choices=ROW_RULES,
+        help="aggregate over words (the tokenizer's): sources summed per word; a word's row is its last "
+        "token's (default) or, with '--words mean', the mean of its tokens' rows",
     )
     a.add_argument("--force", action="store_true", help="replace existing --out/--plot/--html files")
     a.set_defaults(func=cmd_attribute)

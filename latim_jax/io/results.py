@@ -240,10 +240,10 @@ class Attribution:
             labels = [str(k) for k in range(L)]
         kinds = self.layer_kinds or (None,) * len(self.layers)
         names = [f"layer {k}" + (f" ({t})" if t else "") for k, t in zip(self.layers, kinds, strict=True)]
-        rows = list(range(L)) if self.rows is None else list(self.rows)
-        row_labels = labels if self.rows is None else [str(r) for r in rows]
-        if self.rows is not None and self.labels is not None and "spans" not in self.extra:
-            row_labels = [labels[r] for r in rows]
+        rows = self.picture_rows(prompt)
+        row_labels = [labels[r] for r in rows] if self.rows is None or "spans" not in self.extra else None
+        if row_labels is None:  # a row subset over spans: the rows are token positions
+            row_labels = [f"token {r}" for r in self.rows]
         mode = f" ({self.mode} mode)" if self.method in ("l2", "l1", "alti", "logit") else ""
         title = f"{self.model or 'latim-jax'}: {self.method}{mode}"
         title += f", prompt {prompt} of {B}" if B > 1 else ""
@@ -251,6 +251,16 @@ class Attribution:
             np.asarray(self.scores[prompt], np.float32), labels, title=title, layer_names=names,
             row_labels=row_labels, rows=rows, value_label=plotting.value_label(self.method), budget=budget,
         )  # fmt: skip
+
+    def picture_rows(self, prompt: int = 0) -> list[int]:
+        """Each row's index on the last axis, which pictures grey the sources after: positions (all rows:
+        0 .. R-1), or for a row subset of a result aggregated over spans, the span holding each row."""
+        if self.rows is None:
+            return list(range(self.scores.shape[2]))
+        if "spans" not in self.extra:
+            return list(self.rows)
+        bounds = np.asarray(self.extra["spans"][prompt])
+        return [int(np.flatnonzero((bounds[:, 0] <= r) & (r < bounds[:, 1]))[0]) for r in self.rows]
 
     def _valid_eye(self, eye):
         """I restricted to real positions (B or 1, 1, L, L): padding stays exactly 0 in rollouts."""

@@ -3,6 +3,8 @@ its own temporary directory and passes relative paths, as a user would."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -39,13 +41,31 @@ def ckpts(tmp_path_factory):
     save_checkpoint(root / "copy", CFG, init_params(CFG, 1))
     (root / "copy" / "task.json").write_text(__import__("json").dumps(tasks.task_summary(COPY)))
     write_task_tokenizer(root / "copy", COPY, CFG.vocab_size)
+    _bpe_checkpoint(root)
     return root
+
+
+def _bpe_checkpoint(root):
+    """root/bpe: a model with a byte-level BPE tokenizer trained here (sub-word pieces: 'cats' is two)."""
+    import dataclasses
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=270, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["the cat sat on the mat"] * 20, trainer)
+    (root / "bpetok").mkdir()
+    tok.save(str(root / "bpetok" / "tokenizer.json"))
+    cfg = dataclasses.replace(CFG, vocab_size=272)
+    save_checkpoint(root / "bpe", cfg, init_params(cfg, 2), tokenizer_dir=root / "bpetok")
 
 
 @pytest.fixture
 def here(ckpts, tmp_path, monkeypatch):
-    """Work in tmp_path with the checkpoints linked in as ./with, ./without, ./copy."""
-    for name in ("with", "without", "copy"):
+    """Work in tmp_path with the checkpoints linked in as ./with, ./without, ./copy, ./bpe."""
+    for name in ("with", "without", "copy", "bpe"):
         (tmp_path / name).symlink_to(ckpts / name, target_is_directory=True)
     monkeypatch.chdir(tmp_path)
     return tmp_path
@@ -60,6 +80,46 @@ def test_attribute_text_writes_scores_plot_and_html(here):
     assert (here / "s.png").read_bytes()[:8] == PNG
     text = (here / "s.html").read_text()
     assert "cat" in text and 'type="range"' in text
+
+
+def test_attribute_generate_foil_and_words(here, capsys):
+    """--generate scores the continuation's rows (the file holds prompt + continuation, with labels);
+    --foil contrasts; --words sums sources per word, labels the pictures with words."""
+    argv = ["attribute", "--model", "bpe", "--method", "logit", "--text", "the cats sat", "--out", "g.npz"]
+    assert main(argv + ["--generate", "3", "--foil", " mat", "--html", "g.html"]) == 0
+    assert "generated 3 token(s):" in capsys.readouterr().out
+    g = latim_jax.Attribution.load("g.npz")
+    n = len(g.labels[0])
+    assert (
+        g.tokens.shape == (1, n) and g.rows == tuple(range(n - 4, n - 1)) and g.scores.shape == (1, 2, 3, n)
+    )
+    assert "foil" in g.extra and g.labels[0][:3] == ("the", " cat", "s")  # "cats" is two pieces
+    want = latim_jax.attribute(
+        latim_jax.load("bpe"), np.asarray(g.tokens), "logit", rows=list(g.rows),
+        target=np.asarray(g.extra["targets"]), foil=np.asarray(g.extra["foil"]),
+    )  # fmt: skip
+    np.testing.assert_allclose(g.scores, want.scores, rtol=1e-5, atol=1e-6)
+    assert main(argv[:-1] + ["w.npz", "--words", "--plot", "w.png", "--html", "w.html"]) == 0
+    w = latim_jax.Attribution.load("w.npz")
+    assert w.labels == (("the", "cats", "sat"),) and w.scores.shape == (1, 2, 3, 3)
+    total = w.extra["direct"] + w.scores.sum((1, 3)) + w.extra["bias"].sum(1)
+    np.testing.assert_allclose(total, w.extra["logit"], rtol=1e-5, atol=1e-5)
+    assert '"2:cats"' in (here / "w.html").read_text() and (here / "w.png").read_bytes()[:8] == PNG
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--target", "the cat"], "--target 'the cat' is 2 tokens"),
+        (["--target", "99"], r"--target 99: a token id must lie in \[0, 16\)"),
+        (["--method", "alti", "--foil", "cat"], "--target and --foil apply to --method logit / grad_input"),
+        (["--generate", "2", "--rows", "last"], "--generate scores the generated tokens' rows"),
+    ],
+)
+def test_attribute_target_foil_and_generate_refusals(here, capsys, extra, message):
+    argv = ["attribute", "--model", "with", "--method", "logit", "--text", "the cat sat"]
+    assert main(argv + extra) == 2
+    assert re.search(message, capsys.readouterr().err)
 
 
 def test_attribute_tokens_paper_mode_prints_the_error(here, capsys):
