@@ -104,7 +104,7 @@ def test_attribute_generate_foil_and_words(here, capsys):
     assert w.labels == (("the", "cats", "sat"),) and w.scores.shape == (1, 2, 3, 3)
     total = w.extra["direct"] + w.scores.sum((1, 3)) + w.extra["bias"].sum(1)
     np.testing.assert_allclose(total, w.extra["logit"], rtol=1e-5, atol=1e-5)
-    assert '"2:cats"' in (here / "w.html").read_text() and (here / "w.png").read_bytes()[:8] == PNG
+    assert '"1:cats"' in (here / "w.html").read_text() and (here / "w.png").read_bytes()[:8] == PNG
 
 
 @pytest.mark.parametrize(
