@@ -30,7 +30,11 @@ The scan kernels (kernels/selective_scan.py, kernels/ssd.py):
   caller's ``chunk_size``. TPU: multiple of 8. GPU: power of two >= 16.
 - ``ssd_block_p`` (Mamba-2, GPU): head-dim rows per program (None: the whole head).
 Triton and Mosaic settings: ``num_warps_scan`` / ``num_warps_ssd`` / ``num_warps_scores`` (GPU),
-``vmem_limit_bytes`` (the fused kernel's scoped-VMEM limit on TPU).
+``vmem_limit_bytes`` (every TPU kernel's scoped-VMEM limit; None: the chip's, from the table in
+:mod:`latim_jax.parallel.chips`, refused above the chip's VMEM).
+
+On TPU, tiles whose buffers overflow the chip's scoped VMEM are refused before compiling, naming the
+largest tile that fits (:mod:`latim_jax.kernels.vmem`).
 """
 
 from __future__ import annotations
@@ -41,7 +45,9 @@ import jax
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
-PLATFORMS = ("tpu", "gpu", "cpu")
+from latim_jax.parallel.chips import PLATFORMS as PLATFORMS  # re-exported: the platform names
+from latim_jax.parallel.chips import normalize_platform
+
 _FIELDS = (
     "rows", "cols", "d", "e", "m1_direct_rows", "m1_few_rows", "tangent_rows", "scan_block_l", "scan_block_e",
     "ssd_chunk", "ssd_block_p", "num_warps_scan", "num_warps_ssd", "num_warps_scores", "vmem_limit_bytes",
@@ -87,14 +93,12 @@ class Blocks:
         platform = normalize_platform(platform)
         if platform == "tpu":
             return cls(rows=8, cols=128, e=256, scan_block_l=256, scan_block_e=512, ssd_chunk=128,
-                       num_warps_scan=1, num_warps_ssd=4, num_warps_scores=4,
-                       vmem_limit_bytes=48 * 1024 * 1024)  # fmt: skip
+                       num_warps_scan=1, num_warps_ssd=4, num_warps_scores=4)  # fmt: skip
         if platform == "gpu":
             return cls(rows=16, cols=16, d=64, e=32, scan_block_l=16, scan_block_e=32, ssd_chunk=64,
-                       ssd_block_p=32, num_warps_scan=1, num_warps_ssd=8, num_warps_scores=4,
-                       vmem_limit_bytes=48 * 1024 * 1024)  # fmt: skip
+                       ssd_block_p=32, num_warps_scan=1, num_warps_ssd=8, num_warps_scores=4)  # fmt: skip
         return cls(rows=8, cols=64, e=1024, scan_block_l=512, scan_block_e=1024, num_warps_scan=1,
-                   num_warps_ssd=4, num_warps_scores=4, vmem_limit_bytes=48 * 1024 * 1024)  # fmt: skip
+                   num_warps_ssd=4, num_warps_scores=4)  # fmt: skip
 
     @classmethod
     def for_layer(cls, version: int, length: int, n_rows: int | None = None) -> Blocks:
@@ -123,19 +127,13 @@ class Blocks:
         return cls(rows=rows, cols=min(cap, 1024, size * size // rows), **fixed)
 
 
-def normalize_platform(platform: str) -> str:
-    """Map a jax backend name to "tpu", "gpu" or "cpu"."""
-    platform = {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
-    if platform not in PLATFORMS:
-        raise ValueError(f"platform must be one of {PLATFORMS} (or cuda/rocm), found {platform!r}")
-    return platform
-
-
 def resolve_target(platform: str | None, interpret: bool | None) -> tuple[str, bool]:
     """(kernel variant "tpu" | "gpu", interpret flag) for a Pallas call.
 
     ``platform=None`` follows ``jax.default_backend()``; on CPU that is the TPU variant in interpret
-    mode (interpret mode runs either variant; the TPU one exercises the scratch-carried state).
+    mode (interpret mode runs either variant; the TPU one exercises the scratch-carried state). The
+    library's own calls name both, from the execution context (``Context.kernel_target()``), so the
+    default backend is read here only for a kernel called directly without them.
     """
     backend = normalize_platform(jax.default_backend())
     if interpret is None:
@@ -144,10 +142,10 @@ def resolve_target(platform: str | None, interpret: bool | None) -> tuple[str, b
     return ("tpu" if target == "cpu" else target), bool(interpret)
 
 
-def tpu_compiler_params(dimension_semantics: tuple[str, ...]):
+def tpu_compiler_params(dimension_semantics: tuple[str, ...], vmem_limit_bytes: int | None = None):
     """Mosaic compiler params across jax versions (``CompilerParams``, formerly ``TPUCompilerParams``)."""
     params_cls = pltpu.CompilerParams if hasattr(pltpu, "CompilerParams") else pltpu.TPUCompilerParams
-    return params_cls(dimension_semantics=dimension_semantics)
+    return params_cls(dimension_semantics=dimension_semantics, vmem_limit_bytes=vmem_limit_bytes)
 
 
 def gpu_compiler_params(num_warps: int):

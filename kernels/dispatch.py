@@ -2,8 +2,8 @@
 returns the same pytree.
 
 ``ctx`` is a :class:`latim_jax.parallel.context.Context`, resolved once at the API edge:
-- ``ctx.kernels`` False: the pure-jnp reference (any backend); True: the Pallas kernel (interpret mode
-  on a CPU backend).
+- ``ctx.kernels`` False: the pure-jnp reference (any backend); True: the Pallas kernel, built for
+  ``ctx.platform`` (interpret mode for "cpu") and, on TPU, ``ctx.chip``'s VMEM.
 - ``ctx.mesh``: with a mesh, each Pallas scan runs inside ``jax.shard_map`` over (batch on "data",
   channels / heads on "model"); the XLA path is left to XLA's SPMD partitioner. Channel-parallel scans
   need no cross-shard carry (each channel or head is an independent recurrence); Mamba-2's B/C groups
@@ -46,7 +46,7 @@ def selective_scan(u, delta, A, B, C, D, initial_state=None, *, ctx: Context = X
     """Mamba-1 selective scan -> (y (b, l, e), final_state (b, e, n)). See kernels/selective_scan.py."""
     if not ctx.kernels:
         return selective_scan_reference(u, delta, A, B, C, D, initial_state)
-    kernel = functools.partial(selective_scan_pallas, block_sizes=block_sizes)
+    kernel = functools.partial(selective_scan_pallas, block_sizes=block_sizes, **ctx.kernel_target())
     mesh, data, model = _mesh_axes(ctx, u.shape[0], u.shape[-1])
     if mesh is None:
         return kernel(u, delta, A, B, C, D, initial_state)
@@ -62,7 +62,9 @@ def ssd(x, dt, A, B, C, D, chunk_size=64, initial_state=None, *, ctx: Context = 
     """Mamba-2 chunked SSD -> (y (b, l, h, p), final_state (b, h, p, n)). See kernels/ssd.py."""
     if not ctx.kernels:  # the chunk length changes only rounding: the XLA path takes its fastest
         return ssd_reference(x, dt, A, B, C, D, min(chunk_size, XLA_CHUNK), initial_state)
-    kernel = functools.partial(ssd_pallas, chunk_size=chunk_size, block_sizes=block_sizes)
+    kernel = functools.partial(
+        ssd_pallas, chunk_size=chunk_size, block_sizes=block_sizes, **ctx.kernel_target()
+    )
     mesh, data, model = _mesh_axes(ctx, x.shape[0], x.shape[2])
     if mesh is None:
         return kernel(x, dt, A, B, C, D, initial_state=initial_state)

@@ -53,7 +53,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from latim_jax.kernels import f32
+from latim_jax.kernels import f32, vmem
 from latim_jax.kernels.block_sizes import (
     Blocks,
     gpu_compiler_params,
@@ -67,6 +67,7 @@ from latim_jax.kernels.fused_scores_tiles import (
     _m2_kernel_gpu,
     _m2_kernel_tpu,
 )
+from latim_jax.parallel.chips import check_chip
 
 METHODS = ("l2", "l1", "alti", "logit")
 PRECISIONS = ("float32", "bfloat16")
@@ -186,7 +187,47 @@ def _tpu_d_tile(d: int) -> int:
     return round_up(-(-d // -(-d // _TPU_MAX_D)), 128)
 
 
-def _forward_tpu(f, method, rows, aux, bs: Blocks, precision: str, interpret: bool):
+def _tpu_blocks(version: int, method: str, K: int, n: int, g: int, p: int, ti: int, tj: int, dt: int, *, ec):
+    """(input block shapes in the pallas_call's order, output block shape, scratch shapes) of the TPU
+    variant for tiles (ti rows, tj columns, dt of d, ec channels per step): what its VMEM holds."""
+    sq = _sq
+    if version == 2:
+        hc = ec // p
+        own = [(sq, hc, 3, K, tj), (sq, sq, hc, 2, ti), (hc, 2, 1), (sq, g, ti, n), (sq, g, K, n, tj)]
+    else:
+        own = [(sq, 3, K, ec, tj), (sq, sq, 2, ec, ti), (ec, n + 1), (sq, sq, n, ti), (sq, K, n, tj)]
+    ins = [(sq, 1, ti), (sq, K, ec, tj), (dt, ec), (sq, ti, ec), *own]
+    if method == "alti":
+        ins.append((sq, 2, ti, dt))
+    return ins, (sq, sq, ti, tj), [(ti, dt, tj)]
+
+
+def _tpu_vmem(shape_of, ti: int, tj: int, dt: int) -> vmem.Need:
+    """The TPU variant's VMEM for tiles (ti, tj, dt); ``shape_of(ti, tj, dt)`` = :func:`_tpu_blocks`."""
+    ins, out, scratch = shape_of(ti, tj, dt)
+    return vmem.need([*ins, out], scratch)
+
+
+def _check_tpu_vmem(shape_of, tiles, chip, known: bool, limit: int) -> None:
+    """Refuse tiles (ti, tj, dt) whose buffers overflow ``limit``, naming the largest (rows, cols) at
+    this d tile, no larger than the asked ones, that fits."""
+    ti, tj, dt = tiles
+
+    def fits():
+        ok = lambda t: vmem.fits_limit(_tpu_vmem(shape_of, *t, dt), limit)  # noqa: E731
+        best = vmem.largest([(r, c) for r in vmem.steps(ti, 8) for c in vmem.steps(tj, 128)], ok)
+        if best is not None:
+            return f"the largest tile that fits: Blocks(rows={best[0]}, cols={best[1]}) (d tile {dt})"
+        small = [d for d in vmem.steps(dt, 128) if vmem.fits_limit(_tpu_vmem(shape_of, 8, 128, d), limit)]
+        if small:
+            return f"no tile fits at d tile {dt}: pass Blocks(rows=8, cols=128, d={max(small)})"
+        return "no tile fits this layer's widths (e chunk too wide: pass a smaller Blocks(e=...))"
+
+    tile = f"rows={ti} x cols={tj} (d tile {dt})"
+    vmem.check("fused score kernel", tile, _tpu_vmem(shape_of, ti, tj, dt), chip, known, limit, fits)
+
+
+def _forward_tpu(f, method, rows, aux, bs: Blocks, precision: str, interpret: bool, chip):
     K, b, l, e = f.a.shape
     d = f.W_out.shape[1] if method != "logit" else 1
     r = rows.shape[0]
@@ -194,22 +235,28 @@ def _forward_tpu(f, method, rows, aux, bs: Blocks, precision: str, interpret: bo
     tj = min(bs.cols, round_up(l, 8))
     dt = _tpu_d_tile(d) if bs.d is None else min(bs.d, round_up(d, 8))
     rp, lp, dp = round_up(r, ti), round_up(l, tj), round_up(d, dt)
+    heads = f.ssm.heads
+    p, n, g = e // heads, f.ssm.B.shape[-1], (f.ssm.B.shape[2] if f.ssm.version == 2 else 1)
+    if f.ssm.version == 2:
+        ec = _tpu_channel_chunk(2, e, p, heads, bs.e, interpret)
+    else:
+        ec = _tpu_channel_chunk(1, e, 1, e, bs.e, interpret)
+    shape_of = functools.partial(_tpu_blocks, f.ssm.version, method, K, n, g, p, ec=ec)
+    limit = None
     if not interpret:
         for name, v, m, full in (("rows", ti, 8, rp), ("cols", tj, 128, lp), ("d", dt, 128, dp)):
             if v % m and v != full:
                 raise ValueError(
                     f"TPU fused-score block {name}={v} must be a multiple of {m} or the whole axis"
                 )
+        chip, known = vmem.target_chip(chip)
+        limit = vmem.scoped_limit(chip, bs.vmem_limit_bytes)
+        _check_tpu_vmem(shape_of, (ti, tj, dt), chip, known, limit)
     x = _prepare(f, method, rows, aux, rp, lp, dp)
-    heads = f.ssm.heads
-    p, n = e // heads, f.ssm.B.shape[-1]
     ni, nj, nd = rp // ti, lp // tj, dp // dt
     prec = _precision(precision)
-    if f.ssm.version == 2:
-        ec = _tpu_channel_chunk(2, e, p, heads, bs.e, interpret)
-    else:
-        ec = _tpu_channel_chunk(1, e, 1, e, bs.e, interpret)
     ne = e // ec
+    block_in, block_out, scratch = shape_of(ti, tj, dt)
 
     # The last causal tile per target block is scalar-prefetched (tm). Tiles past it skip their work,
     # and their index maps repeat the last live step's block indices, so they fetch nothing new.
@@ -237,17 +284,13 @@ def _forward_tpu(f, method, rows, aux, bs: Blocks, precision: str, interpret: bo
         ad = jnp.stack([x.A, x.D], axis=1)[..., None]  # (h, 2, 1)
         C = jnp.swapaxes(x.C, 1, 2)  # (b, g, rp, n)
         B = jnp.moveaxis(x.B, 3, 1).swapaxes(3, 4)  # (b, g, K, n, lp)
-        g = C.shape[1]
         kernel = functools.partial(_m2_kernel_tpu, cfg=(method, K, hc, p, rep, prec))
-        specs = [
-            _spec(
-                (_sq, hc, 3, K, tj),
-                lambda bi, i, j, dd, c, tm: (bi, e_of(i, j, c, tm), 0, 0, src_j(i, j, tm)),
-            ),
-            _spec((_sq, _sq, hc, 2, ti), lambda bi, i, j, dd, c, tm: (bi, i, e_of(i, j, c, tm), 0, 0)),
-            _spec((hc, 2, 1), lambda bi, i, j, dd, c, tm: (e_of(i, j, c, tm), 0, 0)),
-            _spec((_sq, g, ti, n), lambda bi, i, j, dd, c, tm: (bi, 0, i, 0)),
-            _spec((_sq, g, K, n, tj), lambda bi, i, j, dd, c, tm: (bi, 0, 0, 0, src_j(i, j, tm))),
+        maps = [
+            lambda bi, i, j, dd, c, tm: (bi, e_of(i, j, c, tm), 0, 0, src_j(i, j, tm)),
+            lambda bi, i, j, dd, c, tm: (bi, i, e_of(i, j, c, tm), 0, 0),
+            lambda bi, i, j, dd, c, tm: (e_of(i, j, c, tm), 0, 0),
+            lambda bi, i, j, dd, c, tm: (bi, 0, i, 0),
+            lambda bi, i, j, dd, c, tm: (bi, 0, 0, 0, src_j(i, j, tm)),
         ]
     else:
         src = jnp.swapaxes(x.src, 3, 4)  # (b, 3, K, e, lp)
@@ -256,26 +299,23 @@ def _forward_tpu(f, method, rows, aux, bs: Blocks, precision: str, interpret: bo
         C = _tile_t(x.C, ti)  # (b, ni, n, ti)
         B = jnp.swapaxes(x.B, 2, 3)  # (b, K, n, lp)
         kernel = functools.partial(_m1_kernel_tpu, cfg=(method, K, n, prec))
-        specs = [
-            _spec(
-                (_sq, 3, K, ec, tj),
-                lambda bi, i, j, dd, c, tm: (bi, 0, 0, e_of(i, j, c, tm), src_j(i, j, tm)),
-            ),
-            _spec((_sq, _sq, 2, ec, ti), lambda bi, i, j, dd, c, tm: (bi, i, 0, e_of(i, j, c, tm), 0)),
-            _spec((ec, n + 1), lambda bi, i, j, dd, c, tm: (e_of(i, j, c, tm), 0)),
-            _spec((_sq, _sq, n, ti), lambda bi, i, j, dd, c, tm: (bi, i, 0, 0)),
-            _spec((_sq, K, n, tj), lambda bi, i, j, dd, c, tm: (bi, 0, 0, src_j(i, j, tm))),
+        maps = [
+            lambda bi, i, j, dd, c, tm: (bi, 0, 0, e_of(i, j, c, tm), src_j(i, j, tm)),
+            lambda bi, i, j, dd, c, tm: (bi, i, 0, e_of(i, j, c, tm), 0),
+            lambda bi, i, j, dd, c, tm: (e_of(i, j, c, tm), 0),
+            lambda bi, i, j, dd, c, tm: (bi, i, 0, 0),
+            lambda bi, i, j, dd, c, tm: (bi, 0, 0, src_j(i, j, tm)),
         ]
-    in_specs = [
-        _spec((_sq, 1, ti), lambda bi, i, j, dd, c, tm: (i, 0, 0)),
-        _spec((_sq, K, ec, tj), lambda bi, i, j, dd, c, tm: (bi, 0, e_of(i, j, c, tm), src_j(i, j, tm))),
-        _spec((dt, ec), lambda bi, i, j, dd, c, tm: (d_of(i, j, dd, tm), e_of(i, j, c, tm))),
-        _spec((_sq, ti, ec), lambda bi, i, j, dd, c, tm: (bi, i, e_of(i, j, c, tm))),
-        *specs,
+    maps = [
+        lambda bi, i, j, dd, c, tm: (i, 0, 0),
+        lambda bi, i, j, dd, c, tm: (bi, 0, e_of(i, j, c, tm), src_j(i, j, tm)),
+        lambda bi, i, j, dd, c, tm: (d_of(i, j, dd, tm), e_of(i, j, c, tm)),
+        lambda bi, i, j, dd, c, tm: (bi, i, e_of(i, j, c, tm)),
+        *maps,
     ]
     arrays = [rows_t, a_t, W_t, x.G, src, tgt, ad, C, B]
     if method == "alti":
-        in_specs.append(_spec((_sq, 2, ti, dt), lambda bi, i, j, dd, c, tm: (bi, 0, i, d_of(i, j, dd, tm))))
+        maps.append(lambda bi, i, j, dd, c, tm: (bi, 0, i, d_of(i, j, dd, tm)))
         arrays.append(x.hout)
     params_cls = pltpu.CompilerParams if hasattr(pltpu, "CompilerParams") else pltpu.TPUCompilerParams
     out = pl.pallas_call(
@@ -284,13 +324,13 @@ def _forward_tpu(f, method, rows, aux, bs: Blocks, precision: str, interpret: bo
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
             grid=(b, ni, nj, nd, ne),
-            in_specs=in_specs,
-            out_specs=_spec((_sq, _sq, ti, tj), lambda bi, i, j, dd, c, tm: (bi, dd, i, j)),
-            scratch_shapes=[pltpu.VMEM((ti, dt, tj), f32)],
+            in_specs=[_spec(shape, imap) for shape, imap in zip(block_in, maps, strict=True)],
+            out_specs=_spec(block_out, lambda bi, i, j, dd, c, tm: (bi, dd, i, j)),
+            scratch_shapes=[pltpu.VMEM(shape, f32) for shape in scratch],
         ),
         compiler_params=params_cls(
             dimension_semantics=("parallel", "parallel", "parallel", "parallel", "arbitrary"),
-            vmem_limit_bytes=bs.vmem_limit_bytes,
+            vmem_limit_bytes=limit,
         ),
         interpret=interpret,
     )(tmax, *arrays)
@@ -392,9 +432,11 @@ def _finish(method, partial, x: _Prepared, rows, length: int):
 
 
 def _fused_forward(f, method, rows, aux, config):
-    block_sizes, precision, target, interpret, _ = config
-    forward = _forward_tpu if target == "tpu" else _forward_gpu
-    partial, prepared = forward(f, method, rows, aux, block_sizes, precision, interpret)
+    block_sizes, precision, target, interpret, chip, _ = config
+    if target == "tpu":
+        partial, prepared = _forward_tpu(f, method, rows, aux, block_sizes, precision, interpret, chip)
+    else:
+        partial, prepared = _forward_gpu(f, method, rows, aux, block_sizes, precision, interpret)
     return _finish(method, partial, prepared, rows, f.ssm.length)
 
 
@@ -439,6 +481,7 @@ def fused_layer_scores(
     reference=None,
     platform=None,
     interpret=None,
+    chip=None,
 ):
     """Unnormalised scores (b, len(rows), l) of one layer, fp32, T never materialised.
 
@@ -450,7 +493,11 @@ def fused_layer_scores(
     path this kernel equals to fp32 rounding; the derivative is its (rematerialised) JVP, in either
     mode (None: not differentiable).
     platform: "tpu" | "gpu" kernel variant (None: the default backend; on CPU the TPU variant);
-    interpret: None runs interpret mode exactly on CPU. vmappable.
+    interpret: None runs interpret mode exactly on CPU; chip: the TPU generation compiled for ("v4",
+    "v5e", "v5p", "v6e"; None: the running TPU's, else budgeted as the smallest): its scoped-VMEM
+    limit, and tiles whose buffers overflow it are refused before compiling (a ValueError naming
+    the largest tile that fits; :mod:`latim_jax.kernels.vmem`). The library passes all three from
+    its execution context. vmappable.
     """
     if method not in METHODS:
         raise ValueError(f"fused scores support {METHODS}, found {method!r}")
@@ -465,4 +512,6 @@ def fused_layer_scores(
     if f.ssm.version == 2 and f.ssm.heads % f.ssm.B.shape[2]:
         raise ValueError(f"heads h={f.ssm.heads} must be a multiple of groups g={f.ssm.B.shape[2]}")
     aux = None if method != "logit" else aux
-    return _fused_custom(f, method, rows, aux, (block_sizes, precision, target, interpret, reference))
+    chip = None if chip is None else check_chip(chip)
+    config = (block_sizes, precision, target, interpret, chip, reference)
+    return _fused_custom(f, method, rows, aux, config)

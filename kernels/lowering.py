@@ -80,20 +80,28 @@ def _block_dim(entry) -> int | None:
 def pallas_grids(fn, *args) -> list[dict]:
     """The ``pallas_call``s that ``fn(*args)`` traces to, in order, each as {"name": the kernel's name,
     "grid": the launch grid, "blocks": each operand's block shape (inputs then outputs; a squeezed
-    dimension as None), "arrays": each operand's full shape}. Tracing only: works for any platform the
-    kernel was asked to build for (its ``platform=`` argument) on this machine."""
+    dimension as None), "arrays": each operand's full shape, "scratch": the scratch shapes,
+    "vmem_limit_bytes": the TPU scoped-VMEM limit passed (None: none, or not a TPU call)}. Tracing
+    only: works for any platform the kernel was asked to build for (its ``platform=`` argument) on
+    this machine."""
     found = []
 
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "pallas_call":
                 gm = eqn.params["grid_mapping"]
-                debug = getattr(eqn.params.get("jaxpr"), "debug_info", None)
+                body = eqn.params.get("jaxpr")
+                debug = getattr(body, "debug_info", None)
+                n_scratch = int(getattr(gm, "num_scratch_operands", 0) or 0)
+                invars = body.invars if body is not None else []
+                scratch = invars[len(invars) - n_scratch :] if n_scratch else []
                 found.append({
                     "name": getattr(debug, "func_name", None),
                     "grid": tuple(int(g) for g in gm.grid),
                     "blocks": [tuple(_block_dim(x) for x in bm.block_shape) for bm in gm.block_mappings],
                     "arrays": [tuple(bm.array_aval.shape) for bm in gm.block_mappings],
+                    "scratch": [tuple(v.aval.shape) for v in scratch],
+                    "vmem_limit_bytes": getattr(eqn.params.get("compiler_params"), "vmem_limit_bytes", None),
                 })  # fmt: skip
             for value in eqn.params.values():
                 for sub in value if isinstance(value, list | tuple) else (value,):

@@ -21,6 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from latim_jax.kernels import vmem
 from latim_jax.kernels.block_sizes import (
     Blocks,
     gpu_compiler_params,
@@ -29,6 +30,7 @@ from latim_jax.kernels.block_sizes import (
     round_up,
     tpu_compiler_params,
 )
+from latim_jax.parallel.chips import check_chip
 
 # --------------------------------------------------------------------------------------------------
 # Kernels. All receive the recurrence inputs prepared by the driver, all fp32:
@@ -233,17 +235,43 @@ def _scan_bwd_kernel_gpu(
 # --------------------------------------------------------------------------------------------------
 
 
-def _scan_tiles_tpu(l: int, e: int, bs: Blocks, interpret: bool) -> tuple[int, int]:
-    """(tl, te) for the TPU variant; checks the Mosaic (8, 128) block rule unless interpreting."""
+def _scan_tpu_blocks(tl: int, te: int, n: int, backward: bool):
+    """(block shapes, scratch shapes) of the TPU forward (with its checkpoints) or backward kernel for
+    tiles of tl steps x te channels: what its VMEM holds."""
+    seq, state, bc = (tl, te), (n, te), (n, tl)
+    if backward:  # ins: delta, du, At, B^T, C^T, checkpoint, dy, dhT; outs: dd, ddu, dB^T, dC^T, dA^T, dh0
+        blocks = [seq, seq, state, bc, bc, state, seq, state, seq, seq, bc, bc, state, state]
+        return blocks, [state, (tl, n, te)]
+    return [seq, seq, state, bc, bc, state, seq, state, state], [state]  # ..., h0; outs: y, hT, hs
+
+
+def _scan_tiles_tpu(l: int, e: int, n: int, bs: Blocks, interpret: bool, chip, backward: bool):
+    """(tl, te, vmem_limit_bytes or None) for the TPU variant; unless interpreting, checks the Mosaic
+    (8, 128) block rule and that the kernel's buffers fit the chip's scoped VMEM."""
     l8 = round_up(l, 8)
     tl = l8 if l8 <= bs.scan_block_l else bs.scan_block_l
     te = e if e <= bs.scan_block_e else bs.scan_block_e
-    if not interpret:
-        if tl != l8 and tl % 128:
-            raise ValueError(f"TPU scan_block_l must be a multiple of 128 (lanes of B^T), found {tl}")
-        if te != e and te % 128:
-            raise ValueError(f"TPU scan_block_e must be a multiple of 128, found {te}")
-    return tl, te
+    if interpret:
+        return tl, te, None
+    if tl != l8 and tl % 128:
+        raise ValueError(f"TPU scan_block_l must be a multiple of 128 (lanes of B^T), found {tl}")
+    if te != e and te % 128:
+        raise ValueError(f"TPU scan_block_e must be a multiple of 128, found {te}")
+    chip, known = vmem.target_chip(chip)
+    limit = vmem.scoped_limit(chip, bs.vmem_limit_bytes)
+    need = lambda t: vmem.need(*_scan_tpu_blocks(*t, n, backward))  # noqa: E731
+
+    def fits():
+        ok = lambda t: vmem.fits_limit(need(t), limit)  # noqa: E731
+        best = vmem.largest([(a, c) for a in vmem.steps(tl, 128) for c in vmem.steps(te, 128)], ok)
+        if best is None:
+            return f"no tile fits (state size n={n})"
+        return f"the largest tile that fits: Blocks(scan_block_l={best[0]}, scan_block_e={best[1]})"
+
+    kernel = f"selective scan {'backward' if backward else 'forward'} kernel"
+    tile = f"scan_block_l={tl} x scan_block_e={te} (n={n})"
+    vmem.check(kernel, tile, need((tl, te)), chip, known, limit, fits)
+    return tl, te, limit
 
 
 GPU_MAX_CHUNK = 64  # the GPU backward unrolls one checkpoint chunk: its spacing is capped here
@@ -266,12 +294,12 @@ def _pad_axis(x, axis: int, size: int):
     return jnp.pad(x, widths)
 
 
-def _scan_forward_tpu(delta, du, A, B, C, h0, bs: Blocks, interpret: bool, keep: bool):
+def _scan_forward_tpu(delta, du, A, B, C, h0, bs: Blocks, interpret: bool, keep: bool, chip=None):
     """pallas_call of the TPU variant. Returns (y_ssm (b, l, e), final state (b, e, n), checkpoints):
     the checkpoints (b, l-chunks, n, ep), the state^T entering each chunk, only with ``keep``."""
     b, l, e = delta.shape
     n = A.shape[1]
-    tl, te = _scan_tiles_tpu(l, e, bs, interpret)
+    tl, te, limit = _scan_tiles_tpu(l, e, n, bs, interpret, chip, backward=False)
     lp, ep = round_up(l, tl), round_up(e, te)  # padding: delta = du = 0 keeps the state unchanged
     delta, du = (_pad_axis(_pad_axis(t, 1, lp), 2, ep) for t in (delta, du))
     At = _pad_axis(A.T, 1, ep)  # (n, ep)
@@ -296,7 +324,7 @@ def _scan_forward_tpu(delta, du, A, B, C, h0, bs: Blocks, interpret: bool, keep:
         in_specs=[seq, seq, pl.BlockSpec((n, te), lambda i, j, k: (0, j)), bc, bc, state],
         out_specs=tuple(out_specs),
         scratch_shapes=[pltpu.VMEM((n, te), jnp.float32)],
-        compiler_params=tpu_compiler_params(("parallel", "parallel", "arbitrary")),
+        compiler_params=tpu_compiler_params(("parallel", "parallel", "arbitrary"), limit),
         interpret=interpret,
     )(delta, du, At, Bt, Ct, h0t)
     return y[:, :l, :e], hT[:, :, :e].swapaxes(1, 2), (hs[0] if keep else None)
@@ -349,12 +377,12 @@ def _unpad_backward(dd, ddu, dB, dC, dAt, dh0, l: int, e: int):
     return dd[:, :l, :e], ddu[:, :l, :e], dB, dC, dAt.sum(0)[:, :e].T, dh0[:, :, :e].swapaxes(1, 2)
 
 
-def _scan_backward_tpu(delta, du, A, B, C, hs, dy, dhT, bs: Blocks, interpret: bool):
+def _scan_backward_tpu(delta, du, A, B, C, hs, dy, dhT, bs: Blocks, interpret: bool, chip=None):
     """pallas_call of the TPU backward. Inputs as the forward's plus the checkpoints hs, dy (b, l, e) and
     dhT (b, e, n). Returns (ddelta decay part, ddu (b, l, e), dB, dC (b, l, n), dA (e, n), dh0 (b, e, n))."""
     b, l, e = delta.shape
     n = A.shape[1]
-    tl, te = _scan_tiles_tpu(l, e, bs, interpret)
+    tl, te, limit = _scan_tiles_tpu(l, e, n, bs, interpret, chip, backward=True)
     lp, ep = round_up(l, tl), round_up(e, te)
     nk, ne = lp // tl, ep // te
     delta, du, dy = (_pad_axis(_pad_axis(t, 1, lp), 2, ep) for t in (delta, du, dy))
@@ -375,7 +403,7 @@ def _scan_backward_tpu(delta, du, A, B, C, hs, dy, dhT, bs: Blocks, interpret: b
         in_specs=[seq, seq, pl.BlockSpec((n, te), lambda i, j, k: (0, j)), bc, bc, checkpoint, seq, state],
         out_specs=(seq, seq, bc_share, bc_share, state, state),
         scratch_shapes=[pltpu.VMEM((n, te), jnp.float32), pltpu.VMEM((tl, n, te), jnp.float32)],
-        compiler_params=tpu_compiler_params(("parallel", "parallel", "arbitrary")),
+        compiler_params=tpu_compiler_params(("parallel", "parallel", "arbitrary"), limit),
         interpret=interpret,
     )(delta, du, At, Bt, Ct, hs, dy, dhTt)
     dB, dC = (t.sum(1)[:, :, :l].swapaxes(1, 2) for t in (dBt, dCt))
@@ -419,20 +447,26 @@ def _prepare(u, delta, A, B, C, D, h0):
 
 def _scan_forward(u, delta, A, B, C, D, initial_state, config, keep=False):
     """Kernel forward: (y (b, l, e), final_state (b, e, n), checkpoints or None), all fp32."""
-    block_sizes, target, interpret = config
+    block_sizes, target, interpret, chip = config
     u, delta, A, B, C, D, h0 = _prepare(u, delta, A, B, C, D, initial_state)
-    forward = _scan_forward_tpu if target == "tpu" else _scan_forward_gpu
-    y, final, hs = forward(delta, delta * u, A, B, C, h0, block_sizes, interpret, keep)
+    args = (delta, delta * u, A, B, C, h0, block_sizes, interpret, keep)
+    if target == "tpu":
+        y, final, hs = _scan_forward_tpu(*args, chip)
+    else:
+        y, final, hs = _scan_forward_gpu(*args)
     return y + D * u, final, hs
 
 
 def _scan_backward(u, delta, A, B, C, D, h0, hs, dy, dfinal, config):
     """Kernel backward: the cotangents of (u, delta, A, B, C, D, h0), fp32, from the checkpoints hs."""
-    block_sizes, target, interpret = config
+    block_sizes, target, interpret, chip = config
     u, delta, A, B, C, D, h0 = _prepare(u, delta, A, B, C, D, h0)
     dy, dfinal = dy.astype(jnp.float32), dfinal.astype(jnp.float32)
-    backward = _scan_backward_tpu if target == "tpu" else _scan_backward_gpu
-    dd, ddu, dB, dC, dA, dh0 = backward(delta, delta * u, A, B, C, hs, dy, dfinal, block_sizes, interpret)
+    args = (delta, delta * u, A, B, C, hs, dy, dfinal, block_sizes, interpret)
+    if target == "tpu":
+        dd, ddu, dB, dC, dA, dh0 = _scan_backward_tpu(*args, chip)
+    else:
+        dd, ddu, dB, dC, dA, dh0 = _scan_backward_gpu(*args)
     du = ddu * delta + dy * D
     dd = dd + ddu * u
     dD = jnp.sum(dy * u, axis=(0, 1))
@@ -501,12 +535,15 @@ _scan_custom.defvjp(_scan_fwd, _scan_bwd)
 
 
 def selective_scan_pallas(
-    u, delta, A, B, C, D, initial_state=None, *, block_sizes=None, platform=None, interpret=None
+    u, delta, A, B, C, D, initial_state=None, *, block_sizes=None, platform=None, interpret=None, chip=None
 ):
     """Pallas selective scan -> (y (b, l, e), final_state (b, e, n)), fp32, any l >= 1.
 
     platform: "tpu" | "gpu" kernel variant (None: ``jax.default_backend()``; on CPU the TPU variant).
-    interpret: None runs interpret mode exactly when the default backend is CPU. ``initial_state``
+    interpret: None runs interpret mode exactly when the default backend is CPU. chip: the TPU
+    generation compiled for (None: the running TPU's, else budgeted as the smallest): its scoped-VMEM
+    limit; tiles whose buffers overflow it are refused before compiling, naming the largest that
+    fits (:mod:`latim_jax.kernels.vmem`). ``initial_state``
     (b, e, n) is supported in the kernel (it seeds the carried state). Reverse-mode differentiable
     through a Pallas backward kernel that restarts from one saved state per chunk (``scan_block_l``
     steps: the TPU grid's chunk, the GPU variant's checkpoint spacing), so the backward keeps
@@ -517,7 +554,8 @@ def selective_scan_pallas(
     block_sizes = (block_sizes or Blocks()).over(Blocks.for_platform("cpu" if interpret else target))
     if initial_state is None:  # the kernel always takes one: a custom_vjp needs array arguments
         initial_state = jnp.zeros((u.shape[0], u.shape[2], A.shape[1]), jnp.float32)
-    return _scan_custom(u, delta, A, B, C, D, initial_state, (block_sizes, target, interpret))
+    chip = None if chip is None else check_chip(chip)
+    return _scan_custom(u, delta, A, B, C, D, initial_state, (block_sizes, target, interpret, chip))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from latim_jax.kernels import vmem
 from latim_jax.kernels.block_sizes import (
     Blocks,
     gpu_compiler_params,
@@ -30,6 +31,7 @@ from latim_jax.kernels.block_sizes import (
     round_up,
     tpu_compiler_params,
 )
+from latim_jax.parallel.chips import check_chip
 
 # --------------------------------------------------------------------------------------------------
 # Kernels. Inputs prepared by the driver, all fp32: a = dt A (log-decay per step), xdt = dt x, B, C of
@@ -257,11 +259,46 @@ def _group_of(head, rep: int):
     return lax.div(head, jnp.int32(rep))
 
 
-def _tpu_chunk(l: int, chunk: int, interpret: bool) -> int:
+# (q, q) fp32 values of a chunk's body that Mosaic keeps in VMEM, counted in the budget: at long chunks
+# they, not the blocks, overflow it. Measured from compile-only TPU devices (libtpu 0.0.42.1, p 64,
+# n 128; "Used X of Y vmem" minus the blocks): the forward ~1.1 (q, q) arrays at q 2048 (Mosaic fuses
+# its body), the backward 16 at q 512, 15 at 1024, 14 at 2048 (v4 and v5e); counted as 2 and 17.
+SSD_QQ_LIVE = {False: 2, True: 17}
+
+
+def _ssd_tpu_blocks(q: int, p: int, n: int, backward: bool):
+    """(block shapes, scratch shapes, in-body temporaries in bytes) of the TPU forward (with its
+    checkpoints) or backward kernel for chunks of q steps: what its VMEM holds."""
+    col, x, bc, state = (q, 1), (q, p), (q, n), (p, n)
+    if backward:  # ins: a, xdt, B, C, checkpoint, dy, dhT; outs: dxdt, da, dB, dC, dh0
+        blocks = [col, x, bc, bc, state, x, state, x, col, bc, bc, state]
+    else:  # ins: a, xdt, B, C, h0; outs: y, hT, hs
+        blocks = [col, x, bc, bc, state, x, state, state]
+    return blocks, [state], SSD_QQ_LIVE[backward] * vmem.padded_bytes((q, q))
+
+
+def _tpu_chunk(
+    l: int, chunk: int, interpret: bool, p: int = 1, n: int = 1, chip=None, limit=None, backward=False
+):
+    """(q, vmem_limit_bytes or None) for the TPU variant; unless interpreting, checks the chunk is a
+    multiple of 8 and that the kernel's VMEM fits the chip's scoped limit (``limit``: the
+    ``Blocks.vmem_limit_bytes`` asked, None for the chip's)."""
     q = min(chunk, round_up(l, 8))
-    if not interpret and q % 8:
+    if interpret:
+        return q, None
+    if q % 8:
         raise ValueError(f"TPU ssd_chunk must be a multiple of 8, found {q}")
-    return q
+    chip, known = vmem.target_chip(chip)
+    limit = vmem.scoped_limit(chip, limit)
+    need = lambda c: vmem.need(*_ssd_tpu_blocks(c, p, n, backward))  # noqa: E731
+
+    def fits():
+        ok = [c for c in vmem.steps(q, 8) if vmem.fits_limit(need(c), limit)]
+        return f"the largest chunk that fits: Blocks(ssd_chunk={max(ok)})" if ok else "no chunk fits"
+
+    kernel = f"SSD {'backward' if backward else 'forward'} kernel"
+    vmem.check(kernel, f"ssd_chunk={q} (p={p}, n={n})", need(q), chip, known, limit, fits)
+    return q, limit
 
 
 def _gpu_tiles(l: int, p: int, n: int, chunk: int, block_p, interpret: bool) -> tuple[int, int]:
@@ -288,12 +325,12 @@ def _tpu_specs(q: int, rep: int, nk: int, reverse: bool):
     return spec, chunk
 
 
-def _ssd_forward_tpu(a, xdt, B, C, h0, chunk: int, interpret: bool, keep: bool):
+def _ssd_forward_tpu(a, xdt, B, C, h0, chunk: int, interpret: bool, keep: bool, chip=None, limit=None):
     """pallas_call of the TPU variant. a (b, l, h); xdt (b, l, h, p). Returns (y_ssm, final state,
     checkpoints (b, h, l-chunks, p, n) with ``keep``, else None)."""
     b, l, h, p = xdt.shape
     g, n = B.shape[2], B.shape[3]
-    q = _tpu_chunk(l, chunk, interpret)
+    q, limit = _tpu_chunk(l, chunk, interpret, p, n, chip, limit, backward=False)
     lp, rep = round_up(l, q), h // g
     a_t = _pad_length(a, lp).transpose(0, 2, 1)[..., None]  # (b, h, lp, 1)
     xdt_t = _pad_length(xdt, lp).transpose(0, 2, 1, 3)  # (b, h, lp, p)
@@ -317,18 +354,18 @@ def _ssd_forward_tpu(a, xdt, B, C, h0, chunk: int, interpret: bool, keep: bool):
         in_specs=[spec(1), spec(p), spec(n, True), spec(n, True), state],
         out_specs=tuple(out_specs),
         scratch_shapes=[pltpu.VMEM((p, n), jnp.float32)],
-        compiler_params=tpu_compiler_params(("parallel", "parallel", "arbitrary")),
+        compiler_params=tpu_compiler_params(("parallel", "parallel", "arbitrary"), limit),
         interpret=interpret,
     )(a_t, xdt_t, B_t, C_t, h0)
     return y.transpose(0, 2, 1, 3)[:, :l], hT, (hs[0] if keep else None)
 
 
-def _ssd_backward_tpu(a, xdt, B, C, hs, dy, dhT, chunk: int, interpret: bool):
+def _ssd_backward_tpu(a, xdt, B, C, hs, dy, dhT, chunk: int, interpret: bool, chip=None, limit=None):
     """pallas_call of the TPU backward. Returns (dxdt (b, l, h, p), da (b, l, h), dB, dC (b, l, g, n),
     dh0 (b, h, p, n))."""
     b, l, h, p = xdt.shape
     g, n = B.shape[2], B.shape[3]
-    q = _tpu_chunk(l, chunk, interpret)
+    q, limit = _tpu_chunk(l, chunk, interpret, p, n, chip, limit, backward=True)
     lp, rep = round_up(l, q), h // g
     nk = lp // q
     a_t = _pad_length(a, lp).transpose(0, 2, 1)[..., None]
@@ -347,7 +384,7 @@ def _ssd_backward_tpu(a, xdt, B, C, hs, dy, dhT, chunk: int, interpret: bool):
         in_specs=[spec(1), spec(p), spec(n, True), spec(n, True), checkpoint, spec(p), state],
         out_specs=(spec(p), spec(1), spec(n), spec(n), state),
         scratch_shapes=[pltpu.VMEM((p, n), jnp.float32)],
-        compiler_params=tpu_compiler_params(("parallel", "parallel", "arbitrary")),
+        compiler_params=tpu_compiler_params(("parallel", "parallel", "arbitrary"), limit),
         interpret=interpret,
     )(a_t, xdt_t, B_t, C_t, hs, dy_t, dhT)
     per_group = lambda t: t.reshape(b, g, rep, lp, n).sum(2).transpose(0, 2, 1, 3)[:, :l]  # noqa: E731
@@ -443,12 +480,13 @@ def _prepare(x, dt, A, B, C, D, h0):
 
 def _ssd_forward(x, dt, A, B, C, D, chunk_size, initial_state, config, keep=False):
     """Kernel forward: (y (b, l, h, p), final_state (b, h, p, n), checkpoints or None), all fp32."""
-    block_sizes, target, interpret = config
+    block_sizes, target, interpret, chip = config
     x, dt, A, B, C, D, h0 = _prepare(x, dt, A, B, C, D, initial_state)
     chunk = block_sizes.ssd_chunk or chunk_size
     a, xdt = dt * A, dt[..., None] * x  # (b, l, h), (b, l, h, p)
     if target == "tpu":
-        y, final, hs = _ssd_forward_tpu(a, xdt, B, C, h0, chunk, interpret, keep)
+        limit = block_sizes.vmem_limit_bytes
+        y, final, hs = _ssd_forward_tpu(a, xdt, B, C, h0, chunk, interpret, keep, chip, limit)
     else:
         bs = block_sizes
         y, final, hs = _ssd_forward_gpu(
@@ -459,13 +497,14 @@ def _ssd_forward(x, dt, A, B, C, D, chunk_size, initial_state, config, keep=Fals
 
 def _ssd_backward(x, dt, A, B, C, D, h0, hs, dy, dfinal, chunk_size, config):
     """Kernel backward: the cotangents of (x, dt, A, B, C, D, h0), fp32, from the checkpoints hs."""
-    block_sizes, target, interpret = config
+    block_sizes, target, interpret, chip = config
     x, dt, A, B, C, D, h0 = _prepare(x, dt, A, B, C, D, h0)
     dy, dfinal = dy.astype(jnp.float32), dfinal.astype(jnp.float32)
     chunk = block_sizes.ssd_chunk or chunk_size
     a, xdt = dt * A, dt[..., None] * x
     if target == "tpu":
-        dxdt, da, dB, dC, dh0 = _ssd_backward_tpu(a, xdt, B, C, hs, dy, dfinal, chunk, interpret)
+        limit = block_sizes.vmem_limit_bytes
+        dxdt, da, dB, dC, dh0 = _ssd_backward_tpu(a, xdt, B, C, hs, dy, dfinal, chunk, interpret, chip, limit)
     else:
         bs = block_sizes
         dxdt, da, dB, dC, dh0 = _ssd_backward_gpu(
@@ -543,13 +582,28 @@ _ssd_custom.defvjp(_ssd_fwd, _ssd_bwd)
 
 
 def ssd_pallas(
-    x, dt, A, B, C, D, chunk_size=64, initial_state=None, *, block_sizes=None, platform=None, interpret=None
+    x,
+    dt,
+    A,
+    B,
+    C,
+    D,
+    chunk_size=64,
+    initial_state=None,
+    *,
+    block_sizes=None,
+    platform=None,
+    interpret=None,
+    chip=None,
 ):
     """Pallas chunked SSD -> (y (b, l, h, p), final_state (b, h, p, n)), fp32, any l >= 1.
 
     The kernel chunk is ``block_sizes.ssd_chunk`` (None: ``chunk_size``); the result does not depend on
     it beyond rounding. platform: "tpu" | "gpu" kernel variant (None: ``jax.default_backend()``; on CPU
     the TPU variant); interpret: None runs interpret mode exactly when the default backend is CPU.
+    chip: the TPU generation compiled for (None: the running TPU's, else budgeted as the smallest):
+    its scoped-VMEM limit; a chunk whose buffers and (q, q) values overflow it is refused before
+    compiling, naming the largest that fits (:mod:`latim_jax.kernels.vmem`).
     ``initial_state`` (b, h, p, n) is supported in the kernel. Reverse-mode differentiable through a
     Pallas backward kernel that restarts each chunk from the state the forward saved at its start
     (b * (l / chunk) * h * p * n saved values); the gradient is differentiable again. Forward mode
@@ -559,7 +613,7 @@ def ssd_pallas(
     block_sizes = (block_sizes or Blocks()).over(Blocks.for_platform("cpu" if interpret else target))
     if x.shape[2] % B.shape[2]:
         raise ValueError(f"heads h={x.shape[2]} must be a multiple of groups g={B.shape[2]}")
-    config = (block_sizes, target, interpret)
+    config = (block_sizes, target, interpret, None if chip is None else check_chip(chip))
     if initial_state is None:  # the kernel always takes one: a custom_vjp needs array arguments
         initial_state = jnp.zeros((x.shape[0], x.shape[2], x.shape[3], B.shape[-1]), jnp.float32)
     return _ssd_custom(x, dt, A, B, C, D, chunk_size, initial_state, config)

@@ -159,8 +159,9 @@ def layer_scores(
         s = f.diagonal_scores(method, rows, aux)
     elif kernels:
         s = fused_scores.fused_layer_scores(
-            f, method, rows, aux=aux, block_sizes=blocks, precision=precision, reference=_kernel_reference
-        )
+            f, method, rows, aux=aux, block_sizes=blocks, precision=precision, reference=_kernel_reference,
+            **ctx.kernel_target(),
+        )  # fmt: skip
     else:
         s = blocked_scores(f, method, rows, aux, blocks=blocks, precision=precision)
     if method == "logit+alti":
