@@ -16,6 +16,31 @@ import pytest
 
 torch_needed = pytest.mark.torch
 
+# The tiny random Mamba models most tests run on (one definition; a test states only what it changes):
+# d 16, e 32, n 4, two layers, 32 ids; Mamba-2 with 4 heads of 8 in 2 groups, chunks of 4 (a prompt of
+# 11 crosses two chunk boundaries) and a 3-tap conv.
+TINY = {
+    1: dict(version=1, d_model=16, n_layers=2, vocab_size=32, d_state=4, d_conv=4),
+    2: dict(version=2, d_model=16, n_layers=2, vocab_size=32, d_state=4, d_conv=3, head_dim=8, n_groups=2,
+            chunk_size=4),
+}  # fmt: skip
+
+
+def tiny_config(version: int, **changes):
+    """The tiny config of Mamba-``version`` (:data:`TINY`) with ``changes``."""
+    from latim_jax.model.config import MambaConfig
+
+    return MambaConfig(**{**TINY[version], **changes})
+
+
+def tiny_model(version: int, seed: int = 3, **changes):
+    """A random MambaLM of :func:`tiny_config` (parameters from ``seed``)."""
+    import latim_jax
+    from latim_jax.model.init import init_params
+
+    cfg = tiny_config(version, **changes)
+    return latim_jax.MambaLM(cfg, init_params(cfg, seed=seed))
+
 
 def build_hf(
     version: int,

@@ -9,29 +9,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import rel_err as rel
+from conftest import tiny_config
 from flax import nnx
 
 import latim_jax
 from latim_jax import Blocks
-from latim_jax.model.config import MambaConfig
 from latim_jax.model.init import init_params
 
 TOL = {"fp32": 1e-5, "alti": 5e-5, "grad_fd": 2e-2, "bf16_conservation": 1e-5}
 
-CONFIGS = {
-    "m1": MambaConfig(version=1, d_model=16, n_layers=2, vocab_size=32, d_state=4, d_conv=4),
-    "m2": MambaConfig(
-        version=2,
-        d_model=16,
-        n_layers=2,
-        vocab_size=32,
-        d_state=4,
-        d_conv=3,
-        head_dim=8,
-        n_groups=2,
-        chunk_size=4,
-    ),
-}
+CONFIGS = {"m1": tiny_config(1), "m2": tiny_config(2)}
 
 
 def make(name, **changes):

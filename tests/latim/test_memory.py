@@ -6,15 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import rel_err as rel
+from conftest import tiny_config
 
 import latim_jax
 from latim_jax.latim.memory import InsufficientMemoryError, estimate
 from latim_jax.model.config import MambaConfig
 from latim_jax.model.init import init_params
 
-CFG = MambaConfig(
-    version=2, d_model=16, n_layers=2, vocab_size=32, d_state=4, d_conv=4, head_dim=8, chunk_size=8
-)
+CFG = tiny_config(2, d_conv=4, n_groups=1, chunk_size=8)
 
 
 @pytest.fixture(scope="module")

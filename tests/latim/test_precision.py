@@ -12,27 +12,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import rel_err as rel
+from conftest import tiny_config
 
 import latim_jax
 from latim_jax import Blocks
 from latim_jax.latim.kinds import layer_factors
-from latim_jax.model.config import MambaConfig
 from latim_jax.model.init import init_params
 from latim_jax.tasks.evaluate import PAPER_AUC, evaluate
 
 CONFIGS = {
-    "m1": MambaConfig(version=1, d_model=32, n_layers=2, vocab_size=32, d_state=4, d_conv=4),
-    "m2": MambaConfig(
-        version=2,
-        d_model=32,
-        n_layers=2,
-        vocab_size=32,
-        d_state=4,
-        d_conv=3,
-        head_dim=8,
-        n_groups=2,
-        chunk_size=4,
-    ),  # fmt: skip
+    "m1": tiny_config(1, d_model=32),
+    "m2": tiny_config(2, d_model=32),
 }
 L = 19
 

@@ -8,16 +8,15 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from conftest import tiny_config
 
 import latim_jax
 from latim_jax.model.channel_layout import channel_layout, fits
 from latim_jax.model.config import MambaConfig
 from latim_jax.model.init import init_params
 
-M1 = MambaConfig(version=1, d_model=16, n_layers=2, vocab_size=32, d_state=4)
-M2 = MambaConfig(
-    version=2, d_model=16, n_layers=2, vocab_size=32, d_state=4, head_dim=4, n_groups=2, chunk_size=4
-)
+M1 = tiny_config(1)
+M2 = tiny_config(2, d_conv=4, head_dim=4)  # 8 heads of 4
 
 
 @pytest.mark.parametrize("shards", [2, 8])

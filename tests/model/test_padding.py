@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import rel_err as rel
+from conftest import tiny_config
 
 import latim_jax
-from latim_jax.model.config import MambaConfig
 from latim_jax.model.generate import generate
 from latim_jax.model.init import init_params
 
@@ -19,19 +19,8 @@ TOL = {"fp32": 2e-5, "alti": 5e-5}
 
 CONFIGS = {
     # biases everywhere: the in_proj / conv bias must not leak from padding either
-    1: MambaConfig(version=1, d_model=16, n_layers=2, vocab_size=32, d_state=4, d_conv=4, proj_bias=True),
-    2: MambaConfig(
-        version=2,
-        d_model=16,
-        n_layers=2,
-        vocab_size=32,
-        d_state=4,
-        d_conv=3,
-        head_dim=8,
-        n_groups=2,
-        chunk_size=4,
-        proj_bias=True,
-    ),
+    1: tiny_config(1, proj_bias=True),
+    2: tiny_config(2, proj_bias=True),
 }
 L, N = 11, 6  # padded length, prompt length
 
