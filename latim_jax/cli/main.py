@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from latim_jax.cli import check, info
+from latim_jax.cli import check, info, tpu_check
 from latim_jax.cli.args import (
     DEFAULT_METHOD,
     EXIT_CODES_HELP,
@@ -75,7 +75,8 @@ DESCRIPTION = """LaTIM token-to-token attribution for Mamba models.
 
 commands: attribute (one prompt: scores, a figure, an HTML view), attribute-dataset (every prompt of
 a file, resumable), info, generate, evaluate (the task experiments), convert, check (logits and hidden
-states against transformers, needs torch). Run 'latim-jax COMMAND --help' for each one's options."""
+states against transformers, needs torch), tpu-check (compile a model's programs for a TPU generation
+from this host, needs libtpu). Run 'latim-jax COMMAND --help' for each one's options."""
 DTYPES = ("float32", "bfloat16", "float16")  # parameter dtypes `convert` casts to
 CHECK_TOLERANCE = 1e-4
 
@@ -608,6 +609,7 @@ def build_parser() -> Parser:
     add_evaluate_parser(sub, parents=common)
 
     add_dataset_parser(sub, parents=common)
+    tpu_check.add_parser(sub, common)
     return p
 
 

@@ -464,3 +464,16 @@ def test_check_help_says_what_the_reference_is(capsys):
     out = " ".join(capsys.readouterr().out.split())
     for words in ("from_pretrained", "Mamba, FalconMamba, Mamba2 or NemotronH", "refused", "exit code 2"):
         assert words in out, (words, out)
+
+
+def test_tpu_check_without_libtpu_or_with_an_unknown_chip_says_what_to_do(capsys):
+    """tpu-check needs a compile-only TPU device (libtpu): without it one line saying how to install it,
+    exit 2; a generation it does not know is named with the known ones."""
+    import importlib.util
+
+    if importlib.util.find_spec("libtpu") is not None:
+        pytest.skip("libtpu is installed here: the refusal path does not run")
+    rc, err = run(["tpu-check", "copy-mamba2", "--chip", "v5e"], capsys)
+    assert rc == EXIT_USAGE and 'pip install "jax[tpu]' in err and len(err.splitlines()) == 1
+    rc, err = run(["tpu-check", "copy-mamba2", "--chip", "v9"], capsys)
+    assert rc == EXIT_USAGE and "v9" in err and "v5e" in err
