@@ -72,6 +72,13 @@ class AttentionFactors(Factors):
         V = jnp.einsum("bgqrw,bwga->brwgqa", alpha.reshape(b, G, H // G, r, w), v).reshape(b, r, w, H * a)
         return V if self.gate is None else V * self.gate[:, rows][:, :, None, :]
 
+    def post_normed(self, r, w):
+        """These factors times a post-norm's held scale r (b, l, 1) at the target (into the output gate)
+        and its weight w (d,) (into W_out); :func:`latim_jax.latim.kinds.post_normed` scales the rest."""
+        gate = r if self.gate is None else self.gate * r
+        gate = jnp.broadcast_to(gate, (*r.shape[:2], self.W_out.shape[0]))
+        return dataclasses.replace(self, gate=gate, W_out=self.W_out * w)
+
     def attention_map(self, rows, j0, width: int):
         """The forward's attention weights averaged over heads, (b, r, width): this kind's hidden
         attention (it is the attention itself)."""

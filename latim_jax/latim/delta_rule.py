@@ -73,6 +73,11 @@ class DeltaFactors(Factors):
         acc = sum(jnp.einsum("bhrw,bwhv->brwhv", M[..., k : k + width], a[:, k]) for k in range(K))
         return acc.reshape(b, rows.shape[0], width, e) * self.G[:, rows][:, :, None, :]
 
+    def post_normed(self, r, w):
+        """These factors times a post-norm's held scale r (b, l, 1) at the target (into G) and its weight
+        w (d,) (into W_out); :func:`latim_jax.latim.kinds.post_normed` scales the rest."""
+        return dataclasses.replace(self, G=self.G * r, W_out=self.W_out * w)
+
     def attention_map(self, rows, j0, width: int):
         """The hidden attention for the baseline: M averaged over the value heads, (b, r, width)."""
         return jnp.mean(self.m_tile(rows, j0, width), axis=1)

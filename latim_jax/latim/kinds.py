@@ -11,6 +11,9 @@ execution context and the decomposition mode (a kind that reads the embeddings h
 Zamba2's "shared", also gets ``embeddings=``), and returns an instance of a subclass of
 :class:`latim_jax.latim.factors.Factors`, whose docstring is the interface the scores read.
 
+A post-norm block (``block.post_norm``: h + RMSNorm(Sublayer(h)), OLMo-Hybrid) is decomposed here for
+every kind at once (:func:`post_normed`): its norm's scale held, the norm is a linear map of o.
+
 This module is the one place kinds are registered: it is the lowest floor that sees both a kind's
 module (:mod:`latim_jax.model`) and its decomposition (:mod:`latim_jax.latim`), and it imports with the
 package, so the model floor's registry is full before any model is built. A new kind is a module with
@@ -20,6 +23,9 @@ docs/architecture.md walks through it.
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 
 from latim_jax.kernels import f32
@@ -68,7 +74,29 @@ def factors(
         raise ValueError(f"no decomposition for layer kind {block.kind!r}; registered kinds: {sorted(KINDS)}")
     kind = kind_of(block.kind)
     extra = {"embeddings": embeddings} if kind.reads_embeddings else {}
-    return kind.factors(block, h, mask, ctx, mode, hold_fixed=hold_fixed, with_total=with_total, **extra)
+    f = kind.factors(block, h, mask, ctx, mode, hold_fixed=hold_fixed, with_total=with_total, **extra)
+    return post_normed(f, block, hold_fixed=hold_fixed) if block.post_norm else f
+
+
+def post_normed(f, block, *, hold_fixed=False):
+    """The factors of a post-norm block, h + RMSNorm(o), from the factors ``f`` of its sublayer's output
+    o (docs/method.md, section 13). With the scale r_i = 1 / rms(o_i) held at its forward value, the norm
+    is linear in o: w * r_i * o_i = sum_j w * r_i * T_i(x_j) + w * r_i * beta_i, so every contribution
+    and the bias are scaled by r_i at the target and by the norm's weight w on each output channel
+    (folded into W_out). A token-wise kind keeps T_i(x_j) = [i = j] out_i; a kind that mixes tokens takes
+    r_i into its target-side gate (its factors' ``post_normed(r, w)``)."""
+    o = f.output
+    r = jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + block.config.rms_eps)  # (b, l, 1)
+    r = jax.lax.stop_gradient(r) if hold_fixed else r
+    w = block.norm[...].astype(f32)
+    total = None if f.token_total is None else f.token_total * r * w
+    changes = dict(output=block.finish(o, hold_fixed=hold_fixed), bias=f.bias * r * w, token_total=total)
+    if f.form == "diagonal":  # T_i(x_j) = [i = j] out_i: the normed output still belongs to token i
+        return dataclasses.replace(f, **changes)
+    scaled = getattr(f, "post_normed", None)
+    if scaled is None:
+        raise ValueError(f"the decomposition of layer kind {f.kind!r} has no post-norm (post_normed)")
+    return dataclasses.replace(scaled(r, w), **changes)
 
 
 def layer_factors(model, h, layer: int, mode: str = "exact", *, mask=None, impl="auto", embeddings=None):

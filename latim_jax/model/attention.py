@@ -2,7 +2,8 @@
 module (shape letters: see latim_jax.model.config; H query heads, G key/value heads, a head dim).
 
     q = xhat W_q (+ b_q), k = xhat W_k (+ b_k), v = xhat W_v (+ b_v)        rotary on q, k when rope_theta
-    (attn_qk_norm: q and k RMS-normalised per head, weights q_norm / k_norm, before the rotary)
+    (attn_qk_norm: q and k RMS-normalised per head, weights q_norm / k_norm, before the rotary;
+    with attn_qk_norm_full, over all heads at once: OLMo-Hybrid)
     alpha^h_{ij} = softmax_j(scale * q^h_i . k^{g(h)}_j) over the allowed sources j of i
     o_i = (concat_h(sum_j alpha^h_{ij} v^{g(h)}_j) * gate_i) W_o (+ b_o)      g(h) = h // (H / G)
     gate_i = sigmoid(xhat_i W_g) with attn_output_gate (Qwen3-Next), else 1
@@ -111,8 +112,10 @@ class AttentionMixer(ParamModule):
         k = linear(x, self.k_proj[...], self._get("k_b")).reshape(b, l, c.attn_kv_heads, a)
         v = linear(x, self.v_proj[...]).reshape(b, l, c.attn_kv_heads, a)
         if self._get("q_norm") is not None:
-            q = rms_norm(q, self.q_norm[...], c.rms_eps)
-            k = rms_norm(k, self.k_norm[...], c.rms_eps)
+            span = (b, l, -1) if c.attn_qk_norm_full else q.shape  # every head at once, or each head
+            q = rms_norm(q.reshape(span), self.q_norm[...], c.rms_eps).reshape(q.shape)
+            span = (b, l, -1) if c.attn_qk_norm_full else k.shape
+            k = rms_norm(k.reshape(span), self.k_norm[...], c.rms_eps).reshape(k.shape)
         if c.rope_theta:
             dim = c.rope_dim or a
             q, k = rotary(q, positions, c.rope_theta, dim), rotary(k, positions, c.rope_theta, dim)
@@ -219,7 +222,8 @@ class AttentionMixer(ParamModule):
 def attention_shapes(c) -> dict[str, tuple[int, ...]]:
     """An attention sublayer's parameters: q_proj (d, H a), k_proj and v_proj (d, G a), o_proj (H a, d);
     q_b, k_b, v_b when ``attn_bias``, o_b (d,) when ``attn_out_bias``; q_norm, k_norm (a,) when
-    ``attn_qk_norm``; g_proj (d, H a) when ``attn_output_gate``."""
+    ``attn_qk_norm`` ((H a,) and (G a,) with ``attn_qk_norm_full``); g_proj (d, H a) when
+    ``attn_output_gate``."""
     d, a = c.d_model, c.attn_head_dim
     out = {
         "q_proj": (d, c.attn_heads * a),
@@ -231,7 +235,9 @@ def attention_shapes(c) -> dict[str, tuple[int, ...]]:
         out.update(q_b=(c.attn_heads * a,), k_b=(c.attn_kv_heads * a,), v_b=(c.attn_kv_heads * a,))
     if c.attn_out_bias:
         out["o_b"] = (d,)
-    if c.attn_qk_norm:
+    if c.attn_qk_norm and c.attn_qk_norm_full:
+        out.update(q_norm=(c.attn_heads * a,), k_norm=(c.attn_kv_heads * a,))
+    elif c.attn_qk_norm:
         out.update(q_norm=(a,), k_norm=(a,))
     if c.attn_output_gate:
         out["g_proj"] = (d, c.attn_heads * a)
@@ -255,6 +261,10 @@ def check_attention(c) -> None:
         )
     if c.sliding_window < 0:
         raise ValueError(f"MambaConfig.sliding_window must be >= 0, found {c.sliding_window}")
+    if c.attn_qk_norm_full and not c.attn_qk_norm:
+        raise ValueError(
+            "MambaConfig.attn_qk_norm_full spans the q / k norms over every head: set attn_qk_norm"
+        )
 
 
 def attention_memory(c, b: int, length: int, rows: int, cols: int) -> int:

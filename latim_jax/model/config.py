@@ -7,7 +7,8 @@ Shape glossary (used across the library):
     attention sublayers: H query heads, G key/value heads, a head dim (attn_head_dim);
     token-wise MLP sublayers: f hidden width (mlp_width).
 
-A model is a stack of residual sublayers h + Mixer(RMSNorm(h)), each of one registered *kind*
+A model is a stack of residual sublayers h + Mixer(RMSNorm(h)) (or h + RMSNorm(Mixer(h)), the norm after
+the sublayer, where ``post_norm_layers`` says so: OLMo-Hybrid), each of one registered *kind*
 (:mod:`latim_jax.model.kind`): the Mamba mixer of ``version`` ("mamba1" / "mamba2"), softmax attention
 ("attention"), a token-wise MLP ("mlp"), ... A plain Mamba model has ``layer_kinds=()``: every
 sublayer is its Mamba mixer. A hybrid lists one kind per sublayer (Nemotron-H's pattern, Bamba's
@@ -74,6 +75,9 @@ class MambaConfig:
     # hybrids: one kind per sublayer (empty: every sublayer is the Mamba mixer of `version`)
     layer_kinds: tuple[str, ...] = ()
     family: str = ""  # the checkpoint family it was read from ("nemotron_h", ...), for display
+    # the sublayers whose RMSNorm follows them, h + RMSNorm(Sublayer(h)) (OLMo-Hybrid's attention and its
+    # MLP); every other sublayer is pre-norm, h + Sublayer(RMSNorm(h)). Either way its one norm is "norm"
+    post_norm_layers: tuple[int, ...] = ()
     # attention sublayers
     attn_heads: int = 0
     attn_kv_heads: int = 0
@@ -86,6 +90,8 @@ class MambaConfig:
     sliding_window: int = 0  # 0: none; else a target attends to at most this many sources (itself included)
     attn_qk_norm: bool = False  # each query and key head RMS-normalised before the rotary (q_norm, k_norm)
     attn_output_gate: bool = False  # the heads' output times sigmoid(xhat W_g) before W_o (Qwen3-Next)
+    # the q and k norms span every head at once (OLMo-Hybrid: q_norm (H a,), k_norm (G a,)), not each head
+    attn_qk_norm_full: bool = False
     # token-wise MLP sublayers
     mlp_width: int = 0
     mlp_activation: str = "silu"
@@ -150,6 +156,7 @@ class MambaConfig:
             object.__setattr__(self, "dt_rank", math.ceil(self.d_model / 16))
         object.__setattr__(self, "time_step_limit", tuple(float(x) for x in self.time_step_limit))
         self._check_kinds()  # each kind present checks the fields it reads (the Mamba-2 heads: mamba2's)
+        self._check_post_norm()
 
     def _check_kinds(self) -> None:
         kinds = tuple(self.layer_kinds)
@@ -172,6 +179,26 @@ class MambaConfig:
                     f"MambaConfig: layer kind {name!r} needs its config section sections[{name!r}]"
                 )
             kind.check(self)
+
+    def _check_post_norm(self) -> None:
+        given = self.post_norm_layers
+        if isinstance(given, (str, bytes)) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in tuple(given)
+        ):
+            raise ValueError(f"MambaConfig.post_norm_layers must be sublayer indices, found {given!r}")
+        layers = tuple(sorted(set(given)))
+        object.__setattr__(self, "post_norm_layers", layers)
+        for i in layers:
+            if not 0 <= i < self.n_layers:
+                raise ValueError(
+                    f"MambaConfig.post_norm_layers names sublayer {i}; n_layers is {self.n_layers}"
+                )
+            kind = kind_of(self.kinds[i])
+            if kind.folds_norm or kind.reads_embeddings:
+                raise ValueError(
+                    f"MambaConfig.post_norm_layers names sublayer {i}, a {kind.name!r} sublayer: its norm "
+                    "feeds its in_proj (or the input it reads with the embeddings), so it cannot follow it"
+                )
 
     def _check_sections(self) -> None:
         given = self.sections
@@ -256,6 +283,9 @@ class MambaConfig:
         out = dataclasses.asdict(self)
         out["time_step_limit"] = [_float_to_json(x) for x in self.time_step_limit]
         out["layer_kinds"] = list(self.layer_kinds)
+        out["post_norm_layers"] = list(self.post_norm_layers)
+        if not out["post_norm_layers"]:
+            del out["post_norm_layers"]  # pre-norm configs read the same in older versions
         out["sections"] = {name: dataclasses.asdict(section) for name, section in self.sections}
         if not out["sections"]:
             del out["sections"]  # configs without sections read the same in older versions

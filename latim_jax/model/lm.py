@@ -1,6 +1,7 @@
 """The Mamba language model (both versions, and hybrids) as a Flax NNX module.
 
 h^0 = E[ids];  h^{l+1} = h^l + Mixer_l(RMSNorm_l(h^l))   (residual stream in fp32)
+               (h^l + RMSNorm_l(Mixer_l(h^l)) for the sublayers in ``config.post_norm_layers``)
 logits = RMSNorm_f(h^L) @ E_out^T                          (E_out = E when tied)
 
 Mixer_l is the sublayer of kind ``config.kinds[l]`` (its registered ``LayerKind.module``:
@@ -76,15 +77,25 @@ class Block(nnx.Module):
     ``fold_from``: from this prompt length on, in_proj runs with the pre-norm folded past the product
     (:func:`latim_jax.model.layers.normed_linear`; the same value to fp32 rounding, faster on long
     inputs). The choice depends on the length alone, so a prompt alone and inside a batch take the
-    same branch; a plain attribute of the module, so changing it retraces."""
+    same branch; a plain attribute of the module, so changing it retraces.
+
+    ``post_norm``: the norm follows the mixer, h + RMSNorm(Mixer(h)) (OLMo-Hybrid; the config's
+    ``post_norm_layers``): :meth:`normed` passes h unchanged and :meth:`finish` normalises the output."""
 
     def __init__(
-        self, config: MambaConfig, params: dict, *, kind: str | None = None, fold_from: int = FOLD_FROM_LENGTH
+        self,
+        config: MambaConfig,
+        params: dict,
+        *,
+        kind: str | None = None,
+        fold_from: int = FOLD_FROM_LENGTH,
+        post_norm: bool = False,
     ):
         self.config = config
         self.norm = nnx.Param(jnp.asarray(params["norm"]))
         self.mixer = kind_of(kind or f"mamba{config.version}").module(config, params["mixer"])
         self.fold_from = fold_from
+        self.post_norm = post_norm
 
     @property
     def kind(self) -> str:
@@ -110,9 +121,19 @@ class Block(nnx.Module):
 
     def normed(self, h, *, hold_fixed=False):
         """The mixer input xhat = RMSNorm(h), cast to the weight dtype as the reference does;
-        ``hold_fixed``: the norm's scale 1 / rms(h) gets no gradient (xhat linear in h)."""
+        ``hold_fixed``: the norm's scale 1 / rms(h) gets no gradient (xhat linear in h). A post-norm
+        block's mixer reads h itself."""
         w = self.norm[...]
+        if self.post_norm:
+            return h.astype(w.dtype)
         return rms_norm(h, w, self.config.rms_eps, hold_scale=hold_fixed).astype(w.dtype)
+
+    def finish(self, o, *, hold_fixed=False):
+        """What the mixer's output o adds to the stream: o, or RMSNorm(o) in a post-norm block (fp32;
+        ``hold_fixed``: its scale 1 / rms(o) without gradient, so the output is linear in o)."""
+        if not self.post_norm:
+            return o
+        return rms_norm(o, self.norm[...], self.config.rms_eps, hold_scale=hold_fixed)
 
     def projected(self, h, *, hold_fixed=False):
         """The mixer's in_proj output for xhat = RMSNorm(h), (b, l, in_width) fp32: equal to
@@ -140,7 +161,7 @@ class Block(nnx.Module):
             return h.astype(f32) + self.mixer.ssm(mask=mask, ctx=ctx, projected=self.projected(x))
         if self.is_ssm:
             return h.astype(f32) + self.mixer(mask=mask, ctx=ctx, projected=self.projected(h))
-        return h.astype(f32) + self.mixer(self.normed(h), mask=mask, ctx=ctx)
+        return h.astype(f32) + self.finish(self.mixer(self.normed(h), mask=mask, ctx=ctx))
 
     def step(self, h_t, cache, valid, embeddings=None):
         """One decoding step of the block: h_t (b, d) -> (h_t + o_t, cache); ``embeddings`` (b, d) the
@@ -150,7 +171,7 @@ class Block(nnx.Module):
             o, c_ssm = self.mixer.ssm.step(self.normed(h_t + t), cache[1], valid)
             return h_t + o, (c_attn, c_ssm)
         o, cache = self.mixer.step(self.normed(h_t), cache, valid)
-        return h_t + o, cache
+        return h_t + self.finish(o), cache
 
 
 class MambaLM(nnx.Module):
@@ -166,7 +187,10 @@ class MambaLM(nnx.Module):
         self.config = config
         self.embedding = nnx.Param(jnp.asarray(params["embedding"]))
         self.layers = nnx.List(
-            [Block(config, p, kind=k) for p, k in zip(params["layers"], config.kinds, strict=True)]
+            [
+                Block(config, p, kind=k, post_norm=i in config.post_norm_layers)
+                for i, (p, k) in enumerate(zip(params["layers"], config.kinds, strict=True))
+            ]
         )
         self.norm_f = nnx.Param(jnp.asarray(params["norm_f"]))
         self.lm_head = nnx.Param(jnp.asarray(params["lm_head"])) if "lm_head" in params else None
