@@ -836,12 +836,10 @@ def qwen3_next_tensors(config: MambaConfig, tensors) -> None:
     for k, kind in enumerate(config.kinds):
         base = f"{prefix}model.layers.{k // 2}."
         if kind == "gdn" and f"{base}linear_attn.in_proj_qkv.weight" in tensors:  # Qwen3.5: apart
-            for derived, stored in (("latim_in_proj", ("in_proj_qkv", "in_proj_z")),
-                                    ("latim_ba_proj", ("in_proj_b", "in_proj_a"))):  # fmt: skip
-                names = [f"{base}linear_attn.{n}.weight" for n in stored]
-                shape = _stacked_rows(tensors, names, config.d_model)
-                tensors.derive(f"{base}linear_attn.{derived}.weight", names, _concat_rows, shape=shape)
-                tensors.consume(names)
+            _stack_projections(tensors, f"{base}linear_attn.", config, (
+                ("latim_in_proj", ("in_proj_qkv", "in_proj_z")),
+                ("latim_ba_proj", ("in_proj_b", "in_proj_a")),
+            ))  # fmt: skip
         elif kind == "gdn":  # Qwen3-Next: interleaved per key head
             qkvz, ba = qkvz_rows(section), ba_rows(section)
             for stored, derived, rows in (
@@ -871,6 +869,128 @@ def qwen3_next_tensors(config: MambaConfig, tensors) -> None:
             for part in ("gate_proj", "up_proj", "down_proj"):
                 names = [f"{base}mlp.experts.{e}.{part}.weight" for e in range(config.moe_experts)]
                 tensors.stack(f"{base}mlp.experts.{part}", names)
+
+
+def _stack_projections(tensors, base: str, config: MambaConfig, stacks) -> None:
+    """Each (derived name, stored names) of ``stacks``: the stored (rows, d) matrices under ``base``
+    stacked along their rows into ``base + derived + ".weight"``, and the stored ones consumed."""
+    for derived, stored in stacks:
+        names = [f"{base}{n}.weight" for n in stored]
+        shape = _stacked_rows(tensors, names, config.d_model)
+        tensors.derive(f"{base}{derived}.weight", names, _concat_rows, shape=shape)
+        tensors.consume(names)
+
+
+_OLMO_HYBRID_HANDLED = frozenset(
+    {
+        "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+        "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
+        "tie_word_embeddings", "rope_parameters", "rope_theta", "rope_scaling", "attention_bias",
+        "layer_types", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+        "linear_value_head_dim", "linear_conv_kernel_dim", "linear_allow_neg_eigval",
+    }
+)  # fmt: skip
+# the a_log / dt ranges only initialise A_log and dt_bias, which the checkpoint holds; positions past
+# max_position_embeddings rotate like any other
+_OLMO_HYBRID_IGNORED = GENERIC_IGNORED | {
+    "attention_dropout", "max_position_embeddings", "linear_a_log_min", "linear_a_log_max", "linear_dt_min",
+    "linear_dt_max", "linear_dt_init_floor",
+}  # fmt: skip
+
+
+def olmo_hybrid_config(data: dict[str, Any], file: str) -> MambaConfig:
+    """A :class:`MambaConfig` from transformers' ``OlmoHybridConfig`` (``model_type: olmo_hybrid``): each
+    layer i is two sublayers, 2i its token mixer and 2i + 1 its SwiGLU MLP. A "linear_attention" layer is
+    pre-norm, h + GDN(RMSNorm(h)) then h + MLP(RMSNorm(h)), its Gated DeltaNet with q, k, v, the gate, b
+    and a projected apart (stacked by :func:`olmo_hybrid_tensors`), beta = 2 sigmoid(b) while
+    ``linear_allow_neg_eigval`` (the default), and its gated norm's eps 1e-5 whatever rms_norm_eps says
+    (transformers fixes it, as FLA does). A "full_attention" layer is post-norm (both sublayers in
+    ``post_norm_layers``: h + RMSNorm(Attn(h)) then h + RMSNorm(MLP(h))), its q and k RMS-normalised over
+    all heads at once (``attn_qk_norm_full``), rotary over the whole head (transformers' OLMo rotary
+    reads no partial_rotary_factor), none when rope_parameters' rope_theta is null (NoPE)."""
+    params = data.get("rope_parameters")
+    nope = isinstance(params, dict) and "rope_theta" in params and params["rope_theta"] is None
+    if isinstance(params, dict):  # the rotary's width is always the whole head (see above)
+        drop = {"partial_rotary_factor"} | ({"rope_theta"} if nope else set())
+        data = {**data, "rope_parameters": {k: v for k, v in params.items() if k not in drop}}
+    f = ConfigFields(data, file=file, handled=_OLMO_HYBRID_HANDLED, ignored=_OLMO_HYBRID_IGNORED)
+    n = f.int("num_hidden_layers", 32)
+    types = f.raw("layer_types", None)
+    if types is None:  # transformers' default: every fourth layer attention, at least the last one
+        types = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(n)]
+        types[-1] = types[-1] if "full_attention" in types else "full_attention"
+    if not isinstance(types, list) or len(types) != n or set(types) - {"linear_attention", "full_attention"}:
+        raise f.error("layer_types", "wrong value", f'{n} of "linear_attention" / "full_attention"', types)
+    kinds, post = [], []
+    for i, t in enumerate(types):
+        kinds += ["gdn" if t == "linear_attention" else "attention", "mlp"]
+        post += [2 * i, 2 * i + 1] if t == "full_attention" else []
+    d_model = f.int("hidden_size", 3840)
+    heads = f.int("num_attention_heads", 30)
+    kv = f.raw("num_key_value_heads", None)
+    kv = heads if kv is None else f.int("num_key_value_heads")
+    head_dim = _attention_head_dim(f, d_model, heads)
+    theta, _ = _rope(f, 10000.0, 1.0)
+    k_heads = f.raw("linear_num_key_heads", None)
+    k_heads = heads if k_heads is None else f.int("linear_num_key_heads")
+    v_heads = f.raw("linear_num_value_heads", None)
+    v_heads = heads if v_heads is None else f.int("linear_num_value_heads")
+    k_dim = f.raw("linear_key_head_dim", None)
+    k_dim = int(0.75 * d_model / k_heads) if k_dim is None else f.int("linear_key_head_dim")
+    v_dim = f.raw("linear_value_head_dim", None)
+    v_dim = 2 * k_dim if v_dim is None else f.int("linear_value_head_dim")
+    gdn = DeltaRuleConfig(
+        k_heads=k_heads, v_heads=v_heads, k_dim=k_dim, v_dim=v_dim, conv=f.int("linear_conv_kernel_dim", 4),
+        norm_eps=1e-5, activation=_activation(f, "hidden_act", "silu"),
+        beta_scale=2.0 if f.bool("linear_allow_neg_eigval", True) else 1.0,
+    )  # fmt: skip
+    bias = f.bool("attention_bias", False)
+    return build_config(
+        file, version=2, family="olmo_hybrid", d_model=d_model, n_layers=len(kinds), layer_kinds=tuple(kinds),
+        post_norm_layers=tuple(post), vocab_size=f.int("vocab_size", 100352),
+        tie_embeddings=f.bool("tie_word_embeddings", False), rms_eps=f.float("rms_norm_eps", 1e-6),
+        attn_heads=heads, attn_kv_heads=kv, attn_head_dim=head_dim, attn_bias=bias, attn_out_bias=bias,
+        rope_theta=0.0 if nope else theta, attn_qk_norm=True, attn_qk_norm_full=True,
+        mlp_width=f.int("intermediate_size", 11008), mlp_activation=_mlp_activation(f, "hidden_act", "silu"),
+        mlp_gated=True, sections={"gdn": gdn},
+    )  # fmt: skip
+
+
+# the names OLMo-Hybrid's checkpoints store (OLMo-core's, which save_pretrained writes back) -> the module's
+# (transformers' conversion_mapping): the norms, per layer; q_conv1d | k_conv1d | v_conv1d -> conv1d
+_OLMO_HYBRID_STORED_NORMS = {
+    "attention_layer_norm": "input_layernorm", "feedforward_layer_norm": "post_attention_layernorm",
+}  # fmt: skip
+
+
+def olmo_hybrid_tensors(config: MambaConfig, tensors) -> None:
+    """Present OLMo-Hybrid's stored tensors in the layout's form, in place: the norms' stored names read
+    as the module's (``_OLMO_HYBRID_STORED_NORMS``: an attention layer's feedforward_layer_norm is its
+    post_attention_layernorm, which follows the attention), the three stored convs concatenated in the
+    order q, k, v into conv1d (transformers' save_pretrained splits conv1d into thirds whatever the q, k
+    and v widths are; the concatenation restores it either way), q_proj, k_proj, v_proj and the gate's
+    g_proj stacked into [q | k | v | z] (``latim_in_proj``), b_proj and a_proj into [b | a]
+    (``latim_ba_proj``)."""
+    prefix = next((k[: k.index("model.")] for k in tensors.keys() if "model." in k), "")
+    for k, kind in enumerate(config.kinds):
+        base = f"{prefix}model.layers.{k // 2}."
+        if k % 2 == 0:
+            for stored, name in _OLMO_HYBRID_STORED_NORMS.items():
+                if f"{base}{stored}.weight" in tensors and f"{base}{name}.weight" not in tensors:
+                    tensors.derive(f"{base}{name}.weight", [f"{base}{stored}.weight"], lambda w: w)
+                    tensors.consume([f"{base}{stored}.weight"])
+        if kind != "gdn":
+            continue
+        attn = base + "linear_attn."
+        convs = [f"{attn}{p}_conv1d.weight" for p in "qkv"]
+        if convs[0] in tensors:
+            s = config.section("gdn")
+            tensors.derive(attn + "conv1d.weight", convs, _concat_rows, shape=(s.conv_width, 1, s.conv))
+            tensors.consume(convs)
+        _stack_projections(tensors, attn, config, (
+            ("latim_in_proj", ("q_proj", "k_proj", "v_proj", "g_proj")),
+            ("latim_ba_proj", ("b_proj", "a_proj")),
+        ))  # fmt: skip
 
 
 # transformers' KimiLinearConfig attribute names -> the keys its config.json is written with
@@ -1009,6 +1129,7 @@ READERS = {
     "qwen3_5_text": qwen3_next_config,
     "qwen3_5_moe_text": qwen3_next_config,
     "kimi_linear": kimi_linear_config,
+    "olmo_hybrid": olmo_hybrid_config,
 }
 # after the weights are read: what a family folds into them
 FINISH = {"granitemoehybrid": granite_finish, "falcon_h1": falcon_h1_finish} | dict.fromkeys(
@@ -1028,6 +1149,9 @@ def prepare_tensors(config: MambaConfig, tensors, data: dict[str, Any]) -> None:
         return
     if config.family == "kimi_linear":
         kimi_linear_tensors(config, tensors)
+        return
+    if config.family == "olmo_hybrid":
+        olmo_hybrid_tensors(config, tensors)
         return
     if config.family not in ("nemotron_h", "jamba") or "moe" not in config.kinds:
         return

@@ -309,10 +309,43 @@ KIMI_LINEAR = Naming(
     mixers={**MIXER_NAMES, "kda": _KIMI_KDA, "mla": _KIMI_MLA, "moe": _KIMI_MOE}, root="model.",
 )  # fmt: skip
 
+
+def _olmo_hybrid_sublayer(k: int, kind: str, kinds: tuple) -> tuple[str, str]:
+    """OLMo-Hybrid: 2i the token mixer, 2i + 1 the MLP (mlp.). A Gated DeltaNet layer is pre-norm
+    (input_layernorm, then post_attention_layernorm before the MLP); an attention layer is post-norm, its
+    norms named for what they follow (post_attention_layernorm, post_feedforward_layernorm)."""
+    i = k // 2
+    attention = kinds[2 * i] == "attention"
+    if k % 2:
+        norm = "post_feedforward_layernorm" if attention else "post_attention_layernorm"
+        return f"model.layers.{i}.{norm}.weight", f"model.layers.{i}.mlp."
+    if attention:
+        return f"model.layers.{i}.post_attention_layernorm.weight", f"model.layers.{i}.self_attn."
+    return f"model.layers.{i}.input_layernorm.weight", f"model.layers.{i}.linear_attn."
+
+
+# q, k, v and the gate, b and a are stacked on reading (convert.hybrids.olmo_hybrid_tensors)
+_OLMO_HYBRID_GDN = {
+    "in_proj": ("latim_in_proj.weight", LINEAR),
+    "ba_proj": ("latim_ba_proj.weight", LINEAR),
+    "conv_w": ("conv1d.weight", CONV),
+    "conv_b": ("conv1d.bias", SAME),
+    "dt_bias": ("dt_bias", SAME),
+    "A_log": ("A_log", SAME),
+    "norm_w": ("o_norm.weight", SAME),
+    "out_proj": ("o_proj.weight", LINEAR),
+}
+OLMO_HYBRID = Naming(
+    embedding=("model.embed_tokens.weight",), norm_f="model.norm.weight", sublayer=_olmo_hybrid_sublayer,
+    mixers={**MIXER_NAMES, "gdn": _OLMO_HYBRID_GDN,
+            "attention": _ATTENTION | {"q_norm": ("q_norm.weight", SAME), "k_norm": ("k_norm.weight", SAME)}},
+    root="model.",
+)  # fmt: skip
+
 NAMINGS = {
     "bamba": BAMBA, "granitemoehybrid": GRANITE, "jamba": JAMBA, "falcon_h1": FALCON_H1, "zamba2": ZAMBA2,
     "qwen3_next": QWEN3_NEXT, "qwen3_5_text": QWEN3_NEXT, "qwen3_5_moe_text": QWEN3_NEXT,
-    "kimi_linear": KIMI_LINEAR,
+    "kimi_linear": KIMI_LINEAR, "olmo_hybrid": OLMO_HYBRID,
 }  # fmt: skip
 
 

@@ -320,6 +320,37 @@ def kimi_linear(
     return model.eval()
 
 
+def olmo_hybrid(
+    *, seed=0, vocab=48, d_model=16, layer_types=("linear_attention", "full_attention", "linear_attention"),
+    k_heads=2, v_heads=4, k_dim=8, v_dim=6, heads=2, kv_heads=1, neg_eigval=True, rope=True, tied=False,
+):  # fmt: skip
+    """transformers' OlmoHybridForCausalLM: pre-norm Gated DeltaNet layers (q, k, v, gate, a, b projected
+    apart; beta in (0, 2) with ``neg_eigval``) and post-norm attention layers (full-width q/k norms,
+    rotary unless ``rope`` is False: NoPE), a SwiGLU MLP in every layer; every norm, dt_bias and the
+    gated norm perturbed."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.OlmoHybridConfig(
+        vocab_size=vocab, hidden_size=d_model, intermediate_size=24, num_hidden_layers=len(layer_types),
+        num_attention_heads=heads, num_key_value_heads=kv_heads, layer_types=list(layer_types),
+        linear_num_key_heads=k_heads, linear_num_value_heads=v_heads, linear_key_head_dim=k_dim,
+        linear_value_head_dim=v_dim, linear_allow_neg_eigval=neg_eigval, tie_word_embeddings=tied,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4 if rope else None},
+        pad_token_id=None, bos_token_id=None, eos_token_id=None,
+    )  # fmt: skip
+    model = transformers.OlmoHybridForCausalLM(cfg)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+            elif name.endswith("dt_bias"):
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+    return model.eval()
+
+
 BUILDERS = {
     "zamba2": zamba2,
     "falcon_h1": falcon_h1,
@@ -331,4 +362,5 @@ BUILDERS = {
     "qwen3_next": qwen3_next,
     "qwen3_5": qwen3_5,
     "kimi_linear": kimi_linear,
+    "olmo_hybrid": olmo_hybrid,
 }

@@ -261,6 +261,28 @@ def test_a_qwen3_next_checkpoint_decomposes_exactly(tmp_path):
     assert_logit_identity_padding_and_rows(model, tokens)
 
 
+@pytest.mark.torch
+def test_an_olmo_hybrid_checkpoint_decomposes_exactly(tmp_path):
+    """A tiny OLMo-Hybrid written by transformers' save_pretrained: its pre-norm Gated DeltaNet (beta in
+    (0, 2)), its post-norm attention and the post-norm MLP after it (h + RMSNorm(o), the norm's scale
+    held) conserve in exact mode with padding, and the logit identity, padding and row subsets hold
+    through the whole model."""
+    pytest.importorskip("torch")
+    from families import olmo_hybrid
+
+    olmo_hybrid().save_pretrained(tmp_path)
+    model = latim_jax.load(tmp_path)
+    c = model.config
+    assert c.kinds[:4] == ("gdn", "mlp", "attention", "mlp") and c.post_norm_layers == (2, 3)
+    assert c.section("gdn").beta_scale == 2.0
+    tokens = np.random.default_rng(4).integers(0, c.n_tokens, (2, 21))
+    mask = np.ones(tokens.shape, bool)
+    mask[1, :4] = False
+    for layer in (0, 2, 3):
+        assert latim_jax.conservation_error(model, tokens, layer, mask=mask) < 2e-6, layer
+    assert_logit_identity_padding_and_rows(model, tokens)
+
+
 KDA_CONFIG = latim_jax.MambaConfig(
     version=2, d_model=16, n_layers=2, vocab_size=40, layer_kinds=("kda", "mlp"), mlp_width=24,
     sections={"kda": dict(k_heads=2, v_heads=2, k_dim=8, v_dim=8, chunk=8, conv_bias=True)},

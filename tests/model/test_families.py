@@ -5,6 +5,7 @@ checks (drop a family feature from the Flax model: the parity test must fail).""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -120,6 +121,21 @@ VARIANTS = {
         ),
     ),  # fmt: skip
     "kimi_linear_bias": ("kimi_linear", dict(bias=True)),  # the query latent's bias too
+    # pre-norm Gated DeltaNet layers (beta in (0, 2)) and post-norm attention layers with full-width q/k
+    # norms and rotary; a SwiGLU MLP after each (post-norm after an attention)
+    "olmo_hybrid": ("olmo_hybrid", {}),
+    # NoPE (rope_theta null), beta in (0, 1), attention first, MHA, as many key as value heads, tied
+    "olmo_hybrid_nope": (
+        "olmo_hybrid",
+        dict(
+            rope=False,
+            neg_eigval=False,
+            layer_types=("full_attention", "linear_attention"),
+            kv_heads=2,
+            k_heads=4,
+            tied=True,
+        ),
+    ),  # fmt: skip
     "bamba": ("bamba", {}),
     # attention first and last, biases everywhere, tied, the whole head rotated, one group
     "bamba_bias_tied": (
@@ -279,6 +295,10 @@ def _without(model, **changes):
         ("qwen3_next", dict(moe_router="softmax_all")),  # the top-k not renormalised
         ("kimi_linear", dict(moe_scale=1.0)),  # routed_scaling_factor dropped
         ("kimi_linear", dict(moe_groups=1)),  # the group-limited choice dropped
+        ("olmo_hybrid", dict(post_norm_layers=())),  # the attention layers read as pre-norm
+        ("olmo_hybrid", dict(rope_theta=0.0)),  # the rotary skipped
+        # beta = sigmoid(b) instead of 2 sigmoid(b) (linear_allow_neg_eigval)
+        ("olmo_hybrid", dict(sections={"gdn": dict(k_heads=2, v_heads=4, k_dim=8, v_dim=6, norm_eps=1e-5)})),
     ],
 )
 def test_parity_fails_without_a_family_feature(family_dir, name, changes):
@@ -540,3 +560,39 @@ def test_zamba2_adapters_count_and_bad_configs_name_the_key(family_dir):
     with pytest.raises(CheckpointError, match="rope_type"):
         yarn = {"rope_type": "yarn", "factor": 2.0}
         config_from_hf({**base, "use_mem_rope": True, "rope_parameters": yarn})
+
+
+def test_olmo_hybrid_long_prompts_padded_on_either_side_match_transformers(family_dir):
+    """OLMo-Hybrid at 70 tokens (past the Gated DeltaNet's chunk of 64, not a multiple of it): one prompt
+    whole, one left-padded by 5 and one right-padded by 4 in the same batch, each matching transformers'
+    logits on the prompt alone. A config that reads the attention's q/k norms per head does not load."""
+    from latim_jax.convert import hybrids
+
+    path, ref = family_dir("olmo_hybrid")
+    model = latim_jax.load(path)
+    tokens = np.random.default_rng(9).integers(0, model.config.n_tokens, (3, 70))
+    mask = np.ones(tokens.shape, bool)
+    mask[1, :5] = False
+    mask[2, 66:] = False
+    got = np.asarray(model(tokens, mask=mask))
+    for b, real in enumerate(mask):
+        want, _ = reference(ref, tokens[b : b + 1, real])
+        assert rel_err(got[b, real], want[0]) < TOL, b
+    config = hybrids.olmo_hybrid_config(json.loads((path / "config.json").read_text()), "config.json")
+    assert config == model.config
+    per_head = dataclasses.replace(config, attn_qk_norm_full=False)
+    with pytest.raises(ValueError, match="q_norm"):
+        MambaLM(per_head, model.params())
+
+
+def test_olmo_hybrid_generation_equals_transformers_greedy(family_dir):
+    """Greedy decoding of a tiny OLMo-Hybrid (its cache: the conv windows and delta-rule states, the
+    post-norm attention's keys and values) gives transformers' tokens."""
+    path, ref = family_dir("olmo_hybrid")
+    model = latim_jax.load(path)
+    tokens = np.random.default_rng(10).integers(0, model.config.n_tokens, (2, 9))
+    with torch.no_grad():
+        ids = torch.from_numpy(tokens)  # an explicit mask: no token id is read as padding
+        want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                            pad_token_id=0, eos_token_id=None).numpy()  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(generate(model, tokens, 8)), want)
