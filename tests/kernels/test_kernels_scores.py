@@ -29,10 +29,10 @@ from latim_jax.latim.mamba import MambaFactors
 from latim_jax.latim.scores import blocked_scores
 
 # max |kernel - reference| / max |reference| per score. Both sides compute the same fp32 math in a
-# different order (tiles, d-tile partial sums, W_out scaled by G); measured <= 6e-7. The gradient is
-# the reference's own VJP, so only the forward residuals could differ; the backward is checked against
-# the kernel's own forward by central finite differences (fp32: within 1e-2 relative).
-TOL = {"forward": 1e-5, "grad": 1e-5, "fd": 1e-2}
+# different order (tiles, d-tile partial sums, W_out scaled by G); measured <= 6e-7. The derivative is
+# the reference's own (the custom_jvp), so it is checked against central finite differences of the
+# kernel's own forward (fp32: within 1e-2 relative), never against the reference's derivative.
+TOL = {"forward": 1e-5, "fd": 1e-2}
 
 # Tiny models: e = 32 channels, d = 16, n = 4. m2g1: 2 heads of 16 and K = 3; m2g2: 4 heads of 8.
 MODELS = {
@@ -148,37 +148,30 @@ def test_vmap_over_prompts_equals_loop():
     assert float(jnp.max(looped)) > 0
 
 
-def test_grad_through_custom_jvp_matches_reference():
+def test_grad_through_the_kernel_matches_finite_differences_of_its_forward():
+    """The kernel's derivative is the blocked reference's (its custom_jvp), so comparing the two
+    gradients would test nothing: the gradient is checked against central finite differences of the
+    KERNEL's own forward, along two random directions in the factors and the readout q. A tangent
+    that did not belong to the kernel's forward (a wrong reference, a misrouted argument) fails."""
     f = prefix(factors("m2g1", "paper"), 6)
     rows = jnp.asarray([5, 2])
     aux = readout(f)
     weights = jax.random.normal(jax.random.key(1), (BATCH, 2, 6))
-
-    def loss(scores_fn):
-        def fn(f, aux):
-            return jnp.sum(weights * scores_fn(f, "logit", rows, aux=aux))  # cotangents for f and q
-
-        return jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))
-
     kernel = functools.partial(
         fused_layer_scores, block_sizes=Blocks(rows=2, cols=4, e=16), reference=blocked_scores
     )
-    (value, got), (want_value, want) = loss(kernel)(f, aux), loss(blocked_scores)(f, aux)
-    assert abs(float(value - want_value)) <= TOL["forward"] * float(jnp.abs(want_value))
-    leaves = jax.tree.leaves(want)
-    assert sum(float(jnp.max(jnp.abs(x))) for x in leaves) > 0
-    for g, w in zip(jax.tree.leaves(got), leaves, strict=True):
-        assert g.shape == w.shape
-        assert rel_err(g, w) < TOL["grad"] or float(jnp.max(jnp.abs(w))) == 0
-    # the custom backward against the kernel's own forward, along a random direction in f and q
     loss_fn = jax.jit(lambda f, aux: jnp.sum(weights * kernel(f, "logit", rows, aux=aux)))
-    analytic, numeric = directional_fd(loss_fn, (f, aux), eps=1e-3)
-    assert abs(analytic - numeric) <= TOL["fd"] * abs(numeric), (analytic, numeric)
+    want = jnp.sum(weights * blocked_scores(f, "logit", rows, aux))  # the forward: an independent path
+    assert abs(float(loss_fn(f, aux) - want)) <= TOL["forward"] * float(jnp.abs(want))
+    for seed in (0, 1):
+        analytic, numeric = directional_fd(loss_fn, (f, aux), eps=1e-3, seed=seed)
+        assert abs(analytic - numeric) <= TOL["fd"] * abs(numeric), (seed, analytic, numeric)
 
 
-def test_forward_mode_through_the_kernel_equals_the_reference():
-    """jax.jvp through the kernel (a custom_jvp: forward mode works) equals the reference's JVP, and both
-    equal the central finite difference of the kernel's own forward along the same direction."""
+def test_forward_mode_through_the_kernel_matches_finite_differences():
+    """jax.jvp through the kernel (a custom_jvp: forward mode works) equals the central finite difference
+    of the kernel's own forward along a random direction; jax.jacfwd's Jacobian in the tap values a,
+    contracted with a direction, equals the finite difference along it (an assembly error fails)."""
     f = prefix(factors("m1", "exact"), 6)
     rows = jnp.asarray([5, 3])
     kernel = functools.partial(
@@ -188,14 +181,21 @@ def test_forward_mode_through_the_kernel_equals_the_reference():
     keys = jax.random.split(jax.random.key(2), len(leaves))
     normal = [jax.random.normal(k, x.shape) for k, x in zip(keys, leaves, strict=True)]
     direction = jax.tree.unflatten(tree, normal)
-    fn = lambda scores_fn: jax.jit(lambda f: jnp.sum(scores_fn(f, "l2", rows) ** 2))  # noqa: E731
-    _, got = jax.jvp(fn(kernel), (f,), (direction,))
-    _, want = jax.jvp(fn(blocked_scores), (f,), (direction,))
-    assert abs(float(got - want)) <= TOL["grad"] * abs(float(want)), (got, want)
-    analytic, numeric = directional_fd(fn(kernel), (f,), eps=1e-3)
-    assert abs(analytic - numeric) <= TOL["fd"] * abs(numeric), (analytic, numeric)
-    jacobian = jax.jacfwd(lambda a: kernel(dataclasses.replace(f, a=a), "l2", rows))(f.a)
-    assert jacobian.shape == (*kernel(f, "l2", rows).shape, *f.a.shape)
+    loss = jax.jit(lambda f: jnp.sum(kernel(f, "l2", rows) ** 2))
+    _, got = jax.jvp(loss, (f,), (direction,))
+    eps = 1e-3
+    shift = lambda sign: jax.tree.map(lambda x, v: x + sign * eps * v, f, direction)  # noqa: E731
+    numeric = (loss(shift(1.0)) - loss(shift(-1.0))) / (2 * eps)
+    assert abs(float(got - numeric)) <= TOL["fd"] * abs(float(numeric)), (got, numeric)
+    # eager: jax.jit(jax.jacfwd(...)) of the interpret-mode kernel returns garbage on some runs under
+    # XLA:CPU's thunk runtime (a race: 3 of 4 processes; eager and one jitted direction are right; the
+    # compiled TPU/GPU kernels are not concerned). docs/kernels.md, "Known problems".
+    scores_of_a = lambda a: kernel(dataclasses.replace(f, a=a), "l2", rows)  # noqa: E731
+    jacobian = jax.jacfwd(scores_of_a)(f.a)  # (b, r, l, K, b, l, e)
+    v = jax.random.normal(jax.random.key(3), f.a.shape)
+    contracted = jnp.tensordot(jacobian, v, axes=v.ndim)
+    fd = (scores_of_a(f.a + eps * v) - scores_of_a(f.a - eps * v)) / (2 * eps)
+    assert rel_err(contracted, fd) < TOL["fd"], rel_err(contracted, fd)
 
 
 def test_rejects_unknown_method_and_missing_readout():
