@@ -13,6 +13,7 @@ kernels/fused_scores.py):
 - ``d``: the fused kernel's d tile (None: all of d up to 1024 on TPU, all of d on GPU).
 - ``e``: the fused kernel's channels per step (TPU: the "arbitrary" e-chunk axis; GPU Mamba-1: the
   channel chunk of the in-kernel loop).
+- ``m1_tangent_rows``: the same passes' rows under differentiation (at most ``m1_direct_rows``).
 - ``m1_direct_rows``: target rows per pass of the XLA path's Mamba-1 direct form (bounds its backward's
   temporaries); ``m1_few_rows``: a row tile of at most this many rows takes the direct form on every
   tile (a few rows: cheaper than transposing the far tiles' factored operand).
@@ -49,8 +50,9 @@ from latim_jax.parallel.chips import PLATFORMS as PLATFORMS  # re-exported: the 
 from latim_jax.parallel.chips import normalize_platform
 
 _FIELDS = (
-    "rows", "cols", "d", "e", "m1_direct_rows", "m1_few_rows", "tangent_rows", "scan_block_l", "scan_block_e",
-    "ssd_chunk", "ssd_block_p", "num_warps_scan", "num_warps_ssd", "num_warps_scores", "vmem_limit_bytes",
+    "rows", "cols", "d", "e", "m1_direct_rows", "m1_tangent_rows", "m1_few_rows", "tangent_rows",
+    "scan_block_l", "scan_block_e", "ssd_chunk", "ssd_block_p", "num_warps_scan", "num_warps_ssd",
+    "num_warps_scores", "vmem_limit_bytes",
 )  # fmt: skip
 
 
@@ -63,6 +65,7 @@ class Blocks:
     d: int | None = None
     e: int | None = None
     m1_direct_rows: int | None = None
+    m1_tangent_rows: int | None = None
     m1_few_rows: int | None = None
     tangent_rows: int | None = None
     scan_block_l: int | None = None
@@ -120,7 +123,9 @@ class Blocks:
         size = 64 if version == 2 else 32
         cap = max(8, 1 << (max(length, 1) - 1).bit_length())
         size = min(size, cap)
-        fixed = dict(m1_direct_rows=32, m1_few_rows=4, tangent_rows=16 if version == 2 else None)
+        fixed = dict(
+            m1_direct_rows=32, m1_tangent_rows=16, m1_few_rows=4, tangent_rows=16 if version == 2 else None
+        )
         if n_rows is None or n_rows >= size:
             return cls(rows=size, cols=size, **fixed)
         rows = 1 << (max(n_rows, 1) - 1).bit_length()

@@ -163,7 +163,7 @@ def is_far(rows, cols):
     return jnp.max(cols) < jnp.min(rows)
 
 
-def decay_tile(ssm: SSM, rows, cols, *, with_D=True, direct=False, direct_rows=32):
+def decay_tile(ssm: SSM, rows, cols, *, with_D=True, direct=False, direct_rows=32, tangent_rows=16):
     """M_{i,t} for i in ``rows``, t in ``cols`` (index arrays; cols may run past the end: zero there):
     (b, r, q, c).
 
@@ -176,8 +176,17 @@ def decay_tile(ssm: SSM, rows, cols, *, with_D=True, direct=False, direct_rows=3
     if ssm.version == 1:
         if direct:
             safe = jnp.minimum(cols, length - 1)
-            return m1_direct_tile(ssm, rows, safe, rows, cols, length, with_D, direct_rows)
-        return m1_far_or_near(ssm, rows, cols, far_tile, lambda M: M, with_D=with_D, direct_rows=direct_rows)
+            return m1_direct_tile(ssm, rows, safe, rows, cols, length, with_D, direct_rows, tangent_rows)
+        return m1_far_or_near(
+            ssm,
+            rows,
+            cols,
+            far_tile,
+            lambda M: M,
+            with_D=with_D,
+            direct_rows=direct_rows,
+            tangent_rows=tangent_rows,
+        )
     return m2_far_or_near(ssm, rows, cols, lambda M: M, with_D=with_D)
 
 
@@ -233,7 +242,9 @@ def m2_direct_tile(ssm: SSM, ir, ic, rows, cols, length: int, *, with_D: bool, f
     return M
 
 
-def m1_far_or_near(ssm: SSM, rows, cols, far, near, *args, with_D: bool, direct_rows: int = 32):
+def m1_far_or_near(
+    ssm: SSM, rows, cols, far, near, *args, with_D: bool, direct_rows: int = 32, tangent_rows: int = 16
+):  # fmt: skip
     """A Mamba-1 tile, split: ``far(P, Q, *args)`` when it is far (:func:`is_far`; P, Q its
     :func:`far_factors`), else ``near(M, *args)`` with M the tile's direct form (:func:`m1_direct_tile`,
     with D when ``with_D``). One ``lax.cond`` whose branches read only tile-sized arrays: P, Q and the
@@ -257,7 +268,9 @@ def m1_far_or_near(ssm: SSM, rows, cols, far, near, *args, with_D: bool, direct_
         M = jax.lax.cond(
             is_far(rows, cols),
             lambda local: jnp.zeros((*P.shape[:2], Q.shape[1], P.shape[2]), f32),
-            lambda local: m1_direct_tile(local, ir, ic, rows, cols, length, with_D, direct_rows),
+            lambda local: m1_direct_tile(
+                local, ir, ic, rows, cols, length, with_D, direct_rows, tangent_rows
+            ),
             local,
         )
         return near(M, *args)
@@ -265,43 +278,42 @@ def m1_far_or_near(ssm: SSM, rows, cols, far, near, *args, with_D: bool, direct_
     return jax.lax.cond(is_far(rows, cols), far_branch, near_branch, P, Q, local, *args)
 
 
-def m1_direct_tile(ssm: SSM, ir, ic, rows, cols, length: int, with_D: bool, direct_rows: int):
+def m1_direct_tile(
+    ssm: SSM, ir, ic, rows, cols, length: int, with_D: bool, direct_rows: int, tangent_rows: int = 16
+):  # fmt: skip
     """The Mamba-1 direct form of M (b, r, q, e) for target positions ``rows`` (r,) and source positions
     ``cols`` (q,) of a sequence of ``length``, reading ``ssm``'s arrays at indices ``ir`` (the rows) and
     ``ic`` (the columns, clamped into the sequence): the positions themselves for the layer's SSM, or
     ``arange`` offsets into an SSM taken at the tile's positions (:meth:`SSM.take`). Its r q e n
-    exponentials run in passes of ``direct_rows`` rows, rematerialised under differentiation (they are
-    n times the tile's size), and a pass's backward takes its states a group at a time
-    (:func:`m1_state_sum`)."""
+    exponentials run in passes of ``direct_rows`` rows (``tangent_rows`` under differentiation),
+    rematerialised under differentiation (they are n times the tile's size), and a pass's backward
+    takes its states a group at a time (:func:`m1_state_sum`)."""
     causal = causal_mask(rows, cols, length)  # (r, q)
     dt = ssm.delta[:, ic].astype(f32)[:, None]  # (b, 1, q, e)
-    M = jax.checkpoint(lambda ssm, causal, dt: _m1_direct(ssm, ir, ic, causal, dt, direct_rows))(
-        ssm, causal, dt
-    )
+    M = jax.checkpoint(
+        lambda ssm, causal, dt: _m1_direct(ssm, ir, ic, causal, dt, direct_rows, tangent_rows)
+    )(ssm, causal, dt)
     if with_D:
         diag = (rows[:, None] == cols[None, :])[None, :, :, None]  # (1, r, q, 1)
         M = with_skip(M, diag, ssm.D.astype(f32))
     return M
 
 
-TANGENT_ROWS = 16  # the direct form's rows per pass under differentiation (see _m1_direct)
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(5,))
-def _m1_direct(ssm: SSM, rows, cols, causal, dt, direct_rows: int):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(5, 6))
+def _m1_direct(ssm: SSM, rows, cols, causal, dt, direct_rows: int, tangent_rows: int):
     """The Mamba-1 direct form (b, r, q, e), in passes of ``direct_rows`` target rows when r is a larger
     multiple of it (each pass rematerialised: the backward of one pass holds a (pass, q, e, n) block of
     exponentials, so a 64-row tile costs the backward what a 32-row tile did).
 
-    Differentiated, the passes take at most :data:`TANGENT_ROWS` rows: a 130m Mamba-1 layer's l2
-    gradient at L = 1024 then holds 211 MiB of temporaries instead of 217 at the same speed, where
-    16-row passes in the forward cost it ~4% (its 32-row default stays)."""
+    Differentiated, the passes take at most ``tangent_rows`` (``Blocks.m1_tangent_rows``) rows: a 130m
+    Mamba-1 layer's l2 gradient at L = 1024 then holds 211 MiB of temporaries instead of 217 at the same
+    speed, where 16-row passes in the forward cost it ~4% (its 32-row default stays)."""
     return _m1_passes(ssm, rows, cols, causal, dt, direct_rows)
 
 
 @_m1_direct.defjvp
-def _m1_direct_jvp(direct_rows, primals, tangents):
-    rows = min(direct_rows, TANGENT_ROWS)
+def _m1_direct_jvp(direct_rows, tangent_rows, primals, tangents):
+    rows = min(direct_rows, tangent_rows)
     return jax.jvp(lambda *args: _m1_passes(*args, rows), primals, tangents)
 
 

@@ -30,8 +30,9 @@ DEFAULT_AGGREGATION = "minmax"
 def _tile(ssm: SSM, rows, j0, blocks: Blocks):
     """M without D for target rows ``rows`` and sources [j0, j0 + cols): (b, r, cols, c)."""
     return decay_tile(
-        ssm, rows, j0 + jnp.arange(blocks.cols), with_D=False, direct_rows=blocks.m1_direct_rows
-    )
+        ssm, rows, j0 + jnp.arange(blocks.cols), with_D=False, direct_rows=blocks.m1_direct_rows,
+        tangent_rows=blocks.m1_tangent_rows,
+    )  # fmt: skip
 
 
 def _m1_mean(ssm: SSM, rows, j0, blocks: Blocks):
@@ -43,7 +44,10 @@ def _m1_mean(ssm: SSM, rows, j0, blocks: Blocks):
     def near(M):
         return jnp.mean(M, axis=-1)
 
-    return m1_far_or_near(ssm, rows, cols, far_mean, near, with_D=False, direct_rows=blocks.m1_direct_rows)
+    return m1_far_or_near(
+        ssm, rows, cols, far_mean, near, with_D=False, direct_rows=blocks.m1_direct_rows,
+        tangent_rows=blocks.m1_tangent_rows,
+    )  # fmt: skip
 
 
 def hidden_attention_scores(ssm: SSM, rows, mask, blocks: Blocks, aggregation: str):

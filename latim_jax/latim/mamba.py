@@ -303,7 +303,7 @@ def _m1_tapped(f: MambaFactors, rows, cols, a, blocks: Blocks):
     def tapped(M, a):  # M (b, r, q, e) -> sum_k M_{i,j+k} a_k[j], channels first (e as heads of 1 channel)
         return jnp.moveaxis(tap_sum(M, a[..., None])[..., 0], 3, 1)
 
-    direct_rows = blocks.m1_direct_rows
+    passes = dict(direct_rows=blocks.m1_direct_rows, tangent_rows=blocks.m1_tangent_rows)
     if rows.shape[0] <= blocks.m1_few_rows:
-        return tapped(decay_tile(ssm, rows, cols, direct=True, direct_rows=direct_rows), a)
-    return m1_far_or_near(ssm, rows, cols, far_tapped, tapped, a, with_D=True, direct_rows=direct_rows)
+        return tapped(decay_tile(ssm, rows, cols, direct=True, **passes), a)
+    return m1_far_or_near(ssm, rows, cols, far_tapped, tapped, a, with_D=True, **passes)

@@ -179,16 +179,18 @@ class MambaLM(nnx.Module):
 
     Build one with :func:`latim_jax.load` (from a checkpoint) or ``MambaLM(config, params)``
     (``latim_jax.model.init.init_params(config, seed)`` gives random parameters for training from
-    scratch). ``model(tokens)`` maps int ids (b, l) to fp32 logits (b, l, v).
+    scratch). ``model(tokens)`` maps int ids (b, l) to fp32 logits (b, l, v). ``fold_from``: the prompt
+    length from which the blocks fold their pre-norm past in_proj (:class:`Block`; the same logits to
+    float rounding, at lower memory on long inputs).
     """
 
-    def __init__(self, config: MambaConfig, params: dict):
+    def __init__(self, config: MambaConfig, params: dict, *, fold_from: int = FOLD_FROM_LENGTH):
         check_params(config, params)
         self.config = config
         self.embedding = nnx.Param(jnp.asarray(params["embedding"]))
         self.layers = nnx.List(
             [
-                Block(config, p, kind=k, post_norm=i in config.post_norm_layers)
+                Block(config, p, kind=k, post_norm=i in config.post_norm_layers, fold_from=fold_from)
                 for i, (p, k) in enumerate(zip(params["layers"], config.kinds, strict=True))
             ]
         )

@@ -483,9 +483,9 @@ def test_mamba1_direct_form_in_row_chunks_equals_one_pass(monkeypatch):
 
 
 def test_mamba1_direct_form_takes_fewer_rows_per_pass_when_differentiated(monkeypatch):
-    """Differentiated, the direct form runs in passes of at most decay.TANGENT_ROWS rows (4 here) while
+    """Differentiated, the direct form runs in passes of at most Blocks.m1_tangent_rows rows (4 here) while
     an undifferentiated call keeps Blocks.m1_direct_rows (12): the scores and the gradient equal those of
-    one 24-row pass, and each path took the pass size it should (a rule that ignored TANGENT_ROWS, or a
+    one 24-row pass, and each path took the pass size it should (a rule that ignored m1_tangent_rows, or a
     forward that took it, fails the recorded sizes)."""
     import latim_jax.kernels.decay as decay
     from latim_jax.latim.kinds import layer_factors
@@ -502,14 +502,12 @@ def test_mamba1_direct_form_takes_fewer_rows_per_pass_when_differentiated(monkey
     def loss(h, blocks):
         return jnp.sum(jnp.sin(scores(h, blocks)))
 
-    one = Blocks(rows=24, cols=24, m1_direct_rows=24)
-    monkeypatch.setattr(decay, "TANGENT_ROWS", 24)
+    one = Blocks(rows=24, cols=24, m1_direct_rows=24, m1_tangent_rows=24)
     want_s, want = scores(h, one), jax.grad(loss)(h, one)
-    monkeypatch.setattr(decay, "TANGENT_ROWS", 4)
     sizes = []
     passes = decay._m1_passes
     monkeypatch.setattr(decay, "_m1_passes", lambda *a: sizes.append(a[5]) or passes(*a))
-    split = Blocks(rows=24, cols=24, m1_direct_rows=12)
+    split = Blocks(rows=24, cols=24, m1_direct_rows=12, m1_tangent_rows=4)
     got_s = scores(h, split)
     assert set(sizes) == {12} and rel(got_s, want_s) < TOL["fp32"]
     sizes.clear()

@@ -9,7 +9,6 @@ import pytest
 from conftest import rel_err
 
 import latim_jax
-from latim_jax.model.lm import FOLD_FROM_LENGTH
 
 torch = pytest.importorskip("torch")
 import torch_latim  # noqa: E402
@@ -70,23 +69,19 @@ def test_exact_mode_conserves_transformers_mixer_output(case):
 
 def test_folded_norm_keeps_torch_parity(case):
     """Long inputs fold the pre-norm past in_proj (latim_jax.model.layers.normed_linear): forced here at
-    L = 11 (Block.fold_from, part of the module's graph, so the calls retrace), the contributions still
-    match the float64 reference and conserve transformers' mixer output."""
-    name, ref, model, tokens, seen, _, logits = case
-    for block in model.layers:
-        block.fold_from = 1
-    try:
-        assert rel_err(model(tokens), logits.numpy()) < TOL["conservation"]
-        for layer, rec in enumerate(seen):
-            got = latim_jax.contributions(model, tokens, layer)
-            for b in range(B):
-                T, bias, _ = torch_latim.decompose_layer(ref.backbone.layers[layer].mixer, rec["xhat"][b])
-                assert rel_err(got.T[b], T.numpy()) < TOL["T"], (name, layer, b)
-                assert rel_err(got.bias[b], bias.numpy()) < TOL["T"], (name, layer, b)
-            assert rel_err(got.T.sum(2) + got.bias, rec["o"].numpy()) < TOL["conservation"], (name, layer)
-    finally:
-        for block in model.layers:
-            block.fold_from = FOLD_FROM_LENGTH
+    L = 11 (a copy of the shared model built with ``fold_from=1``), the contributions still match the
+    float64 reference and conserve transformers' mixer output."""
+    name, ref, shared, tokens, seen, _, logits = case
+    model = latim_jax.MambaLM(shared.config, shared.params(), fold_from=1)
+    assert all(block.fold_from == 1 for block in model.layers)
+    assert rel_err(model(tokens), logits.numpy()) < TOL["conservation"]
+    for layer, rec in enumerate(seen):
+        got = latim_jax.contributions(model, tokens, layer)
+        for b in range(B):
+            T, bias, _ = torch_latim.decompose_layer(ref.backbone.layers[layer].mixer, rec["xhat"][b])
+            assert rel_err(got.T[b], T.numpy()) < TOL["T"], (name, layer, b)
+            assert rel_err(got.bias[b], bias.numpy()) < TOL["T"], (name, layer, b)
+        assert rel_err(got.T.sum(2) + got.bias, rec["o"].numpy()) < TOL["conservation"], (name, layer)
 
 
 def _reference_maps(case, method, mode, aggregation):
