@@ -8,6 +8,13 @@ returns the same pytree.
   channels / heads on "model"); the XLA path is left to XLA's SPMD partitioner. Channel-parallel scans
   need no cross-shard carry (each channel or head is an independent recurrence); Mamba-2's B/C groups
   split with the heads when the shards divide them, else each shard gathers the groups of its heads.
+- A mesh with a "seq" axis splits the length: both paths (XLA and Pallas) then run under shard_map
+  over (batch on "data", length on "seq", channels on "model"); each shard scans from a zero state and
+  :func:`latim_jax.parallel.sequence.carry_in` combines the shards' (total decay, final state)
+  summaries into the state entering each shard. ``fixup="correct"`` (default) adds that state's
+  decayed read-out C_t . exp(A cum Delta_t) h_in to the shard's outputs (one elementwise pass);
+  "rescan" scans the shard again from it (twice the scan work). The final state returned is the
+  whole length's (the same on every "seq" shard).
 
 ``block_sizes`` (a :class:`~latim_jax.kernels.block_sizes.Blocks`) tunes the Pallas tiles; None fields
 take ``Blocks.for_platform``'s. Both Pallas paths accept ``initial_state`` in the kernel and are
@@ -29,44 +36,78 @@ from latim_jax.kernels.selective_scan import (
     selective_scan_step_reference,
 )
 from latim_jax.kernels.ssd import XLA_CHUNK, ssd_pallas, ssd_reference, ssd_step_reference
+from latim_jax.parallel import sequence
 from latim_jax.parallel.context import XLA, Context
+from latim_jax.parallel.mesh import SEQ
+
+FIXUPS = ("correct", "rescan")  # how a shard of a split length takes the state entering it
 
 
 def _mesh_axes(ctx: Context, batch: int, channels: int):
-    """(mesh, batch axis, channel axis) for shard_map: an axis only where the mesh has it (size > 1)
-    and it divides the dimension (else that dimension stays whole on every device)."""
+    """(batch axis, channel axis, length axis) for shard_map: "data" / "model" only where the mesh has
+    it (size > 1) and it divides the dimension (else that dimension stays whole on every device);
+    "seq" where the mesh splits the length."""
     data = "data" if ctx.axis_size("data") > 1 and batch % ctx.axis_size("data") == 0 else None
     model = "model" if ctx.axis_size("model") > 1 and channels % ctx.axis_size("model") == 0 else None
-    if data is None and model is None:
-        return None, None, None
-    return ctx.mesh, data, model
+    return data, model, ctx.axis(SEQ)
 
 
-def selective_scan(u, delta, A, B, C, D, initial_state=None, *, ctx: Context = XLA, block_sizes=None):
-    """Mamba-1 selective scan -> (y (b, l, e), final_state (b, e, n)). See kernels/selective_scan.py."""
-    if not ctx.kernels:
+def _check_fixup(fixup: str) -> None:
+    if fixup not in FIXUPS:
+        raise ValueError(f"fixup must be one of {FIXUPS}, found {fixup!r}")
+
+
+def selective_scan(
+    u, delta, A, B, C, D, initial_state=None, *, ctx: Context = XLA, block_sizes=None, fixup="correct"
+):
+    """Mamba-1 selective scan -> (y (b, l, e), final_state (b, e, n)). See kernels/selective_scan.py.
+    ``fixup``: how a length split over "seq" takes the state entering each shard (see module doc)."""
+    _check_fixup(fixup)
+    data, model, seq = _mesh_axes(ctx, u.shape[0], u.shape[-1])
+    if not ctx.kernels and seq is None:
         return selective_scan_reference(u, delta, A, B, C, D, initial_state)
-    kernel = functools.partial(selective_scan_pallas, block_sizes=block_sizes, **ctx.kernel_target())
-    mesh, data, model = _mesh_axes(ctx, u.shape[0], u.shape[-1])
-    if mesh is None:
+    kernel = selective_scan_reference
+    if ctx.kernels:
+        kernel = functools.partial(selective_scan_pallas, block_sizes=block_sizes, **ctx.kernel_target())
+    if data is None and model is None and seq is None:
         return kernel(u, delta, A, B, C, D, initial_state)
-    seq, chan, state = P(data, None, model), P(model), P(data, model, None)
-    bc = P(data, None, None)
-    args, specs = (u, delta, A, B, C, D), (seq, seq, P(model, None), bc, bc, chan)
+
+    def local(u, delta, A, B, C, D, h0=None):
+        if seq is None:
+            return kernel(u, delta, A, B, C, D, h0)
+        y, final = kernel(u, delta, A, B, C, D)  # from a zero state
+        log_decay = jnp.sum(delta.astype(jnp.float32), axis=1)[..., None] * A  # (b, e, n)
+        h_in, h_last = sequence.carry_in(log_decay, final, h0, seq)
+        if fixup == "rescan":
+            return kernel(u, delta, A, B, C, D, h_in)[0], h_last
+        return y + sequence.selective_scan_carry(delta, A, C, h_in), h_last
+
+    rows, chan, state = P(data, seq, model), P(model), P(data, model, None)
+    bc = P(data, seq, None)
+    args, specs = (u, delta, A, B, C, D), (rows, rows, P(model, None), bc, bc, chan)
     if initial_state is not None:
         args, specs = args + (initial_state,), specs + (state,)
-    return jax.shard_map(kernel, mesh=mesh, in_specs=specs, out_specs=(seq, state), check_vma=False)(*args)
+    run = jax.shard_map(local, mesh=ctx.mesh, in_specs=specs, out_specs=(rows, state), check_vma=False)
+    return run(*args)
 
 
-def ssd(x, dt, A, B, C, D, chunk_size=64, initial_state=None, *, ctx: Context = XLA, block_sizes=None):
-    """Mamba-2 chunked SSD -> (y (b, l, h, p), final_state (b, h, p, n)). See kernels/ssd.py."""
+def ssd(
+    x, dt, A, B, C, D, chunk_size=64, initial_state=None, *, ctx: Context = XLA, block_sizes=None,
+    fixup="correct",
+):  # fmt: skip
+    """Mamba-2 chunked SSD -> (y (b, l, h, p), final_state (b, h, p, n)). See kernels/ssd.py.
+    ``fixup``: how a length split over "seq" takes the state entering each shard (see module doc)."""
+    _check_fixup(fixup)
+    data, model, seq = _mesh_axes(ctx, x.shape[0], x.shape[2])
     if not ctx.kernels:  # the chunk length changes only rounding: the XLA path takes its fastest
-        return ssd_reference(x, dt, A, B, C, D, min(chunk_size, XLA_CHUNK), initial_state)
-    kernel = functools.partial(
-        ssd_pallas, chunk_size=chunk_size, block_sizes=block_sizes, **ctx.kernel_target()
-    )
-    mesh, data, model = _mesh_axes(ctx, x.shape[0], x.shape[2])
-    if mesh is None:
+        kernel = functools.partial(ssd_reference, chunk_size=min(chunk_size, XLA_CHUNK))
+        if seq is None:
+            return kernel(x, dt, A, B, C, D, initial_state=initial_state)
+    else:
+        kernel = functools.partial(
+            ssd_pallas, chunk_size=chunk_size, block_sizes=block_sizes, **ctx.kernel_target()
+        )
+    if data is None and model is None and seq is None:
         return kernel(x, dt, A, B, C, D, initial_state=initial_state)
     rep = x.shape[2] // B.shape[2]  # heads per B/C group
     # groups split with the heads when the shards divide them (each shard's heads read its own groups,
@@ -77,17 +118,24 @@ def ssd(x, dt, A, B, C, D, chunk_size=64, initial_state=None, *, ctx: Context = 
         if model is not None and not own_groups:  # this shard's heads may span groups: one per local head
             heads = jax.lax.axis_index("model") * x.shape[2] + jnp.arange(x.shape[2])
             B, C = (jnp.take(t, heads // rep, axis=2) for t in (B, C))
-        return kernel(x, dt, A, B, C, D, initial_state=h0)
+        if seq is None:
+            return kernel(x, dt, A, B, C, D, initial_state=h0)
+        y, final = kernel(x, dt, A, B, C, D)  # from a zero state
+        log_decay = (jnp.sum(dt.astype(jnp.float32), axis=1) * A)[..., None, None]  # (b, h, 1, 1)
+        h_in, h_last = sequence.carry_in(log_decay, final, h0, seq)
+        if fixup == "rescan":
+            return kernel(x, dt, A, B, C, D, initial_state=h_in)[0], h_last
+        return y + sequence.ssd_carry(dt, A, C, h_in), h_last
 
-    heads = P(data, None, model, None)
-    bc = P(data, None, model if own_groups else None, None)
-    specs = [heads, P(data, None, model), P(model), bc, bc, P(model)]
+    heads = P(data, seq, model, None)
+    bc = P(data, seq, model if own_groups else None, None)
+    specs = [heads, P(data, seq, model), P(model), bc, bc, P(model)]
     args = [x, dt, A, B, C, D]
     if initial_state is not None:
         specs.append(P(data, model, None, None))
         args.append(initial_state)
     out = (heads, P(data, model, None, None))
-    return jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=out, check_vma=False)(*args)
+    return jax.shard_map(local, mesh=ctx.mesh, in_specs=tuple(specs), out_specs=out, check_vma=False)(*args)
 
 
 def selective_scan_step(state, u, delta, A, B, C, D):

@@ -1,6 +1,6 @@
-"""Device meshes: the two named axes, and placing, padding and gathering the arrays of a split call.
+"""Device meshes: the three named axes, and placing, padding and gathering the arrays of a split call.
 
-A mesh has two named axes (either may be absent or of size 1):
+A mesh has up to three named axes (any may be absent or of size 1):
 
 - "data": prompts. The batch is split over it (padded to a multiple by repeating the last prompt).
 - "model": the layer computation. Parameters are laid out model-parallel over the inner channels
@@ -8,6 +8,11 @@ A mesh has two named axes (either may be absent or of size 1):
   device fits; the residual stream stays replicated over "model". The score stage splits the target
   rows over "model" (rows are independent given the layer's factors), which is what lets one long
   prompt use every device.
+- "seq": the length of each prompt, in the forward (logits) only so far. Each device holds a
+  contiguous run of l / D positions; the causal conv reads a halo of the previous shard's last k-1
+  inputs, the scans carry their state across shards by an all_gather of per-shard summaries, and
+  attention gathers the keys and values (:mod:`latim_jax.parallel.sequence`). The length is padded
+  to a multiple of D (padding positions are masked, cut from the logits).
 
 Under jit, XLA's SPMD partitioner places the pure-JAX (XLA) path from these shardings. Pallas kernels
 are custom calls it cannot partition, so the dispatchers wrap each in ``jax.shard_map``: the scans over
@@ -27,15 +32,27 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-DATA, MODEL = "data", "model"
-AXES = (DATA, MODEL)
-__all__ = ["AXES", "DATA", "MODEL", "P", "check_mesh", "constrain", "gather", "pad_batch", "put"]
+DATA, MODEL, SEQ = "data", "model", "seq"
+AXES = (DATA, MODEL, SEQ)
+__all__ = [
+    "AXES",
+    "DATA",
+    "MODEL",
+    "P",
+    "SEQ",
+    "check_mesh",
+    "constrain",
+    "gather",
+    "pad_batch",
+    "pad_length",
+    "put",
+]
 
 
 def check_mesh(mesh: Mesh) -> Mesh:
     """Validate a user mesh and return it with Auto axis types (XLA propagates the shardings).
 
-    Its axis names must be a subset of ("data", "model"); ``jax.make_mesh`` meshes (Explicit axes by
+    Its axis names must be a subset of ("data", "model", "seq"); ``jax.make_mesh`` meshes (Explicit axes by
     default) are accepted and converted.
     """
     if not isinstance(mesh, Mesh):
@@ -52,6 +69,14 @@ def check_mesh(mesh: Mesh) -> Mesh:
 # --------------------------------------------------------------------------------------------------
 # Inputs and outputs of a sharded call
 # --------------------------------------------------------------------------------------------------
+
+
+def pad_length(x, length: int):
+    """Pad axis 1 of an array with zeros (False for a mask) to ``length`` (right padding)."""
+    if x is None or x.shape[1] == length:
+        return x
+    pad = [(0, 0), (0, length - x.shape[1])] + [(0, 0)] * (x.ndim - 2)
+    return jnp.pad(jnp.asarray(x), pad)
 
 
 def pad_batch(x, multiple: int, *, edge: bool = True):

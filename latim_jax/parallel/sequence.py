@@ -1,0 +1,111 @@
+"""One prompt's length split over the mesh's "seq" axis: the collectives of a sequence-parallel forward.
+
+Shard k of D holds positions [k l/D, (k+1) l/D) of every prompt (l/D = m). What crosses shards:
+
+- The causal conv reads the previous k-1 conv inputs: :func:`previous_rows` passes each shard's last
+  k-1 rows to the next by one ``ppermute`` (zeros into shard 0, as the single-device conv pads).
+- A linear scan h_t = a_t h_{t-1} + b_t (a diagonal per head / channel-state). Each shard scans from a
+  zero state, giving its final state f_k, and its total decay is exp(sum of its log-decays s_k). The
+  state entering shard k is the affine combination
+
+      h_in_k = sum_{j<k} exp(s_{j+1} + ... + s_{k-1}) f_j   (+ exp(s_0 + ... + s_{k-1}) h_0),
+
+  which :func:`carry_in` builds from an ``all_gather`` of the D summaries (s_k, f_k), each weight's
+  exponent a direct masked sum (a (D, D) 0/1 matrix against s: no difference of long cumulative sums)
+  of terms <= 0. That is O(D) summaries per device and an O(D^2) combine: fine for D <= 64 (a
+  log-depth ppermute scan would move less at pod scale). The shard's outputs are then corrected,
+  y_t += C_t . exp(A (Delta_1 + ... + Delta_t)) h_in_k (:func:`ssd_carry`, :func:`selective_scan_carry`),
+  or the shard rescanned from h_in_k (twice the scan work); :mod:`latim_jax.kernels.dispatch` picks.
+- Attention gathers the keys, values and the mask along the length (every device then holds the
+  whole K/V) and masks causally with global positions (:mod:`latim_jax.model.attention`).
+
+Every function here runs inside ``jax.shard_map`` over the context's mesh (:func:`split`), the length
+on ``SEQ``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from latim_jax.parallel.context import Context
+from latim_jax.parallel.mesh import DATA, SEQ, P
+
+f32 = jnp.float32
+
+
+def rows_spec(ctx: Context, batch: int, *rest) -> P:
+    """The spec of a (b, l, ...) array whose length is split over "seq" (and batch over "data" when it
+    divides); ``rest``: the specs of the trailing axes."""
+    data = DATA if ctx.axis_size(DATA) > 1 and batch % ctx.axis_size(DATA) == 0 else None
+    return P(data, SEQ, *rest)
+
+
+def split(fn, ctx: Context, in_specs, out_specs):
+    """``fn`` under ``jax.shard_map`` over the context's mesh (collectives over "seq" inside)."""
+    return jax.shard_map(fn, mesh=ctx.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+def offset(length: int, axis: str = SEQ):
+    """The global position of this shard's first row (``length``: the rows per shard)."""
+    return jax.lax.axis_index(axis) * length
+
+
+def previous_rows(x, width: int, axis: str = SEQ):
+    """The previous shard's last ``width`` rows of x (b, m, ...) along axis 1 (zeros on shard 0)."""
+    n = jax.lax.axis_size(axis)
+    if width > x.shape[1]:
+        raise ValueError(
+            f"a halo of {width} rows needs at least {width} positions per shard, found {x.shape[1]}"
+        )
+    return jax.lax.ppermute(x[:, x.shape[1] - width :], axis, [(i, i + 1) for i in range(n - 1)])
+
+
+def gather_rows(x, axis: str = SEQ):
+    """The whole length of x (b, m, ...): every shard's rows in order, (b, D m, ...)."""
+    return jax.lax.all_gather(x, axis, axis=1, tiled=True)
+
+
+def carry_in(log_decay, final, initial=None, axis: str = SEQ):
+    """(state entering this shard, state after the last shard) of a linear scan split over ``axis``.
+
+    log_decay: this shard's total log-decay, broadcastable against ``final`` (<= 0); final: its state
+    after scanning from zero; initial: the state before shard 0 (None: zero). See the module docstring.
+    """
+    s = jax.lax.all_gather(log_decay.astype(f32), axis)  # (D, ...)
+    f = jax.lax.all_gather(final.astype(f32), axis)  # (D, ...)
+    n, k = s.shape[0], jax.lax.axis_index(axis)
+    idx = jnp.arange(n)
+
+    def state_before(stop):  # the state after shards 0..stop-1
+        # exponent of shard j's weight: sum of s_m over j < m < stop, as a (D, D) 0/1 matmul against s
+        between = ((idx[None, :] > idx[:, None]) & (idx[None, :] < stop)).astype(f32)  # [j, m]
+        expo = jnp.tensordot(between, s, axes=1, precision="highest")  # (D, ...)
+        expo = jnp.where((idx < stop).reshape((n,) + (1,) * (s.ndim - 1)), expo, -jnp.inf)
+        h = jnp.sum(jnp.exp(expo) * f, axis=0)
+        if initial is not None:  # h_0 decays through every shard before stop
+            before = (idx < stop).astype(f32)
+            h = h + jnp.exp(jnp.tensordot(before, s, axes=1, precision="highest")) * initial.astype(f32)
+        return h
+
+    return state_before(k), state_before(n)
+
+
+def ssd_carry(dt, A, C, h_in):
+    """Mamba-2: what a state h_in (b, h, p, n) entering the shard adds to its outputs, (b, m, h, p):
+    y_t += exp(A sum_{s<=t} Delta_s) C_t . h_in; dt (b, m, h), A (h,), C (b, m, g, n)."""
+    b, m, h = dt.shape
+    g = C.shape[2]
+    decay = jnp.exp(jnp.cumsum(dt.astype(f32) * A.astype(f32), axis=1))  # (b, m, h)
+    hg = h_in.reshape(b, g, h // g, *h_in.shape[2:])  # (b, g, r, p, n)
+    y = jnp.einsum("bmgn,bgrpn->bmgrp", C.astype(f32), hg, precision="highest").reshape(b, m, h, -1)
+    return y * decay[..., None]
+
+
+def selective_scan_carry(delta, A, C, h_in):
+    """Mamba-1: what a state h_in (b, e, n) entering the shard adds to its outputs, (b, m, e):
+    y_t[e] += sum_n C_t[n] exp(A[e, n] sum_{s<=t} Delta_s[e]) h_in[e, n]; delta (b, m, e), A (e, n),
+    C (b, m, n). One fused elementwise-and-reduce: no (b, m, e, n) array is kept."""
+    cum = jnp.cumsum(delta.astype(f32), axis=1)  # (b, m, e)
+    decay = jnp.exp(cum[..., None] * A.astype(f32))  # (b, m, e, n)
+    return jnp.sum(C.astype(f32)[:, :, None, :] * decay * h_in.astype(f32)[:, None], axis=-1)
