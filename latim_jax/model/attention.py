@@ -16,7 +16,9 @@ prompt alone.
 
 The forward runs over tiles of target rows (:data:`ROW_TILE`), so no (l, l) array per head is held
 beyond one tile; each row's log-sum-exp is kept (``lse``), from which the decomposition rebuilds
-alpha tile by tile.
+alpha tile by tile. With the length split over the mesh's "seq" axis each device keeps its own rows'
+queries and all_gathers the keys, values and mask of the whole length (every device then holds the
+whole K/V: 2 b l G a floats), masking with global positions.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ from latim_jax.kernels import f32
 from latim_jax.model.kind import LayerKind
 from latim_jax.model.layers import linear, rms_norm
 from latim_jax.model.params import ParamModule
+from latim_jax.parallel import sequence
 from latim_jax.parallel.context import XLA, Context
+from latim_jax.parallel.mesh import SEQ, P
 
 ROW_TILE = 256
 
@@ -90,6 +94,32 @@ def rotary(x, positions, theta: float, dim: int):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
 
 
+def attend(q, k, v, mask, vb, row0, window: int):
+    """Each row's log-sum-exp (b, H, r) and the heads' outputs (b, r, H a) (value bias ``vb`` (H, a)
+    included) for the rows' scaled queries q (b, r, H, a) at global positions row0 + [0, r) against
+    keys and values k, v (b, w, G, a) at positions [0, w) (``mask`` (b, w) real columns), over tiles
+    of :data:`ROW_TILE` target rows."""
+    b, r, H, _ = q.shape
+    w, G, av = k.shape[1], k.shape[2], v.shape[3]
+    tile = min(ROW_TILE, r)
+    n = -(-r // tile)
+    cols = jnp.arange(w)
+
+    def rows_tile(t):
+        local = t * tile + jnp.arange(tile)
+        qr = jnp.take(q, local, axis=1, mode="clip")
+        s = logits(qr, k, row0 + local, cols, mask, window)  # (b, H, tile, w)
+        lse = jax.nn.logsumexp(s, axis=-1)  # (b, H, tile)
+        alpha = jnp.exp(s - lse[..., None]).reshape(b, G, H // G, tile, w)
+        out = jnp.einsum("bgqrw,bwga->brgqa", alpha, v).reshape(b, tile, H, av)
+        return lse, out + vb
+
+    lse, out = jax.lax.map(rows_tile, jnp.arange(n))  # (n, b, H, tile), (n, b, tile, H, a)
+    lse = jnp.moveaxis(lse, 0, 2).reshape(b, H, n * tile)[..., :r]
+    out = jnp.moveaxis(out, 0, 1).reshape(b, n * tile, -1)[:, :r]
+    return lse, out
+
+
 class AttentionMixer(ParamModule):
     """Causal softmax attention with grouped key/value heads, optional rotary embedding and sliding
     window (transformers' eager attention semantics)."""
@@ -141,30 +171,24 @@ class AttentionMixer(ParamModule):
         """q, k, v, each row's log-sum-exp and the heads' outputs for the normalised input x (b, l, d);
         ``mask`` (b, l) bool of real positions. ``hold_fixed``: no gradient through the attention
         weights (q, k and the log-sum-exp): the sublayer is then linear in its values."""
-        del ctx  # attention runs on XLA everywhere
         b, l, _ = x.shape
-        q, k, v = self.project(x, jnp.arange(l))
+        q, k, v = self.project(x, jnp.arange(l))  # global positions also when "seq" splits the length
         if hold_fixed:
             q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
-        H, G, av = q.shape[2], k.shape[2], v.shape[3]  # query heads, key/value heads, value dim
-        vb = self.value_bias().reshape(H, av)
-        tile = min(ROW_TILE, l)
-        n = -(-l // tile)
-        cols = jnp.arange(l)
-        rep = H // G
+        vb = self.value_bias().reshape(q.shape[2], v.shape[3])
+        seq = ctx.axis(SEQ)  # attention runs on XLA everywhere; a split length gathers K/V
+        if seq is None:
+            lse, out = attend(q, k, v, mask, vb, 0, self.window)
+        else:
 
-        def rows_tile(t):
-            rows = t * tile + jnp.arange(tile)
-            qr = jnp.take(q, rows, axis=1, mode="clip")
-            s = logits(qr, k, rows, cols, mask, self.window)  # (b, H, r, l)
-            lse = jax.nn.logsumexp(s, axis=-1)  # (b, H, r)
-            alpha = jnp.exp(s - lse[..., None]).reshape(b, G, rep, tile, l)
-            out = jnp.einsum("bgqrw,bwga->brgqa", alpha, v).reshape(b, tile, H, av)
-            return lse, out + vb
+            def local(q, k, v, mask, vb):
+                k, v, full = (sequence.gather_rows(t, seq) for t in (k, v, mask))
+                return attend(q, k, v, full, vb, sequence.offset(q.shape[1], seq), self.window)
 
-        lse, out = jax.lax.map(rows_tile, jnp.arange(n))  # (n, b, H, tile), (n, b, tile, H, a)
-        lse = jnp.moveaxis(lse, 0, 2).reshape(b, H, n * tile)[..., :l]
-        out = jnp.moveaxis(out, 0, 1).reshape(b, n * tile, -1)[:, :l]
+            rows = sequence.rows_spec(ctx, b)
+            specs = (rows, rows, rows, rows, P())
+            outs = (P(rows[0], None, SEQ), rows)
+            lse, out = sequence.split(local, ctx, specs, outs)(q, k, v, mask, vb)
         gate = self.gate(x)
         if hold_fixed:
             lse = jax.lax.stop_gradient(lse)

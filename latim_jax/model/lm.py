@@ -34,7 +34,7 @@ from latim_jax.model.kind import kind_of
 from latim_jax.model.layers import normed_linear, rms_norm
 from latim_jax.model.sharding import context
 from latim_jax.parallel.context import XLA, Context
-from latim_jax.parallel.mesh import DATA, P, gather, pad_batch, put
+from latim_jax.parallel.mesh import DATA, SEQ, P, gather, pad_batch, pad_length, put
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,8 +260,9 @@ class MambaLM(nnx.Module):
             x, valid = bucket_pad(x, valid)
             ids = None if ids is None else x
         if ctx.mesh is not None:
-            size = ctx.axis_size(DATA)
-            spec = P(DATA if size > 1 else None)
+            size, split = ctx.axis_size(DATA), self.split_length(x.shape[1], ctx)
+            spec = P(DATA if size > 1 else None, ctx.axis(SEQ))
+            x, valid = (pad_length(a, split) for a in (x, valid))
             x, valid = (put(pad_batch(a, size, edge=True), ctx.mesh, spec) for a in (x, valid))
             ids = None if ids is None else x
         if ids is None:
@@ -272,6 +273,15 @@ class MambaLM(nnx.Module):
         if invalid is not None:  # values unknown at trace time: such a prompt's outputs become NaN
             h = jnp.where(invalid[:, None, None], jnp.nan, h)
         return Inputs(h=h, mask=valid, tokens=ids, batch=batch, length=length, given_mask=mask is not None)
+
+    def split_length(self, length: int, ctx: Context) -> int:
+        """The length a call runs at on ``ctx``'s mesh: ``length`` itself, or with a "seq" axis of D
+        the next multiple of D with at least k-1 positions per shard (the conv's halo comes from one
+        neighbour); the extra positions are padding (masked, cut from results)."""
+        d = ctx.axis_size(SEQ)
+        if d <= 1:
+            return length
+        return d * max(-(-length // d), self.config.d_conv - 1)
 
     def embed(self, tokens):
         """h^0 (b, l, d) fp32 (times ``config.embedding_multiplier`` when it is not 1)."""
@@ -315,9 +325,10 @@ class MambaLM(nnx.Module):
         prompt alone; pad positions' logits are not meaningful. Every layer runs through one jitted
         block function, so compile time does not grow with depth. impl: "auto" | "xla" | "pallas"
         (:mod:`latim_jax.parallel.context`). mesh: a device mesh (see :mod:`latim_jax.parallel.mesh`):
-        prompts split over "data", the layers model-parallel over "model".
+        prompts split over "data", the layers model-parallel over "model", each prompt's length over
+        "seq" (:mod:`latim_jax.parallel.sequence`; Mamba, attention, MLP and MoE layers).
         """
-        ctx = context(self, impl, mesh)
+        ctx = context(self, impl, mesh, sequence=True)
         x = self.prepare_inputs(tokens, mask, inputs_embeds, ctx)
         residuals = self.run_layers(x.h, x.mask, ctx)
         out = ModelOutput(logits=_head(self, residuals[-1]), residuals=jnp.stack(residuals))
@@ -326,7 +337,8 @@ class MambaLM(nnx.Module):
         if ctx.mesh is None:
             return out
         out = gather(out)
-        return ModelOutput(logits=out.logits[: x.batch], residuals=out.residuals[:, : x.batch])
+        b, l = x.batch, x.length  # the "data" axis' extra prompts, the "seq" axis' extra positions
+        return ModelOutput(logits=out.logits[:b, :l], residuals=out.residuals[:, :b, :l])
 
     def __call__(self, tokens=None, *, mask=None, inputs_embeds=None, impl="auto", mesh=None):
         """Logits (b, l, v) fp32 for int token ids (b, l) (or ``inputs_embeds``; see :meth:`forward`)."""

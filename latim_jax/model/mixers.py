@@ -27,7 +27,9 @@ from latim_jax.model.layers import (
     rms_norm,
 )
 from latim_jax.model.params import ParamModule
+from latim_jax.parallel import sequence
 from latim_jax.parallel.context import XLA, Context
+from latim_jax.parallel.mesh import SEQ, P
 
 _PARAM_NAMES = (
     "in_proj",
@@ -206,7 +208,7 @@ class Mamba1Mixer(_Mixer):
         (the quantities LaTIM holds fixed): the layer is then linear in u."""
         u, z = self.split_projection(self._projection(x, projected))
         u = self.conv_input(u, mask)
-        c = causal_conv(u, self.conv_w[...], self._get("conv_b"))
+        c = split_causal_conv(u, self.conv_w[...], self._get("conv_b"), ctx=ctx)
         v = _value_activation(self.config.activation, c, hold_fixed)
         delta, B, C = _held(self.ssm_params(v, mask), hold_fixed)  # Delta = 0 at padding
         y, _ = dispatch.selective_scan(v, delta, self.A, B, C, self.D[...], ctx=ctx)
@@ -284,7 +286,7 @@ class Mamba2Mixer(_Mixer):
         c = self.config
         z, u, dt = self.split_projection(self._projection(x, projected))
         u = self.conv_input(u, mask)
-        conv = causal_conv(u, self.conv_w[...], self._get("conv_b"))
+        conv = split_causal_conv(u, self.conv_w[...], self._get("conv_b"), ctx=ctx)
         v = _value_activation(c.activation, conv, hold_fixed)
         xs, B, C = self.split_xbc(v)
         B, C, delta = _held((B, C, self.delta(dt)), hold_fixed)
@@ -316,6 +318,26 @@ class Mamba2Mixer(_Mixer):
         y = y.reshape(y.shape[0], c.d_inner)
         o = linear(y * self.gate(y, z), self.out_proj[...], self._get("out_proj_b"))
         return o, (conv_cache, state)
+
+
+def split_causal_conv(u, conv_w, conv_b=None, *, ctx: Context = XLA):
+    """:func:`latim_jax.model.layers.causal_conv`, with the length split over the mesh's "seq" axis
+    when the context has one: each shard convolves its rows after the previous shard's last k-1
+    inputs (one ppermute; zeros before shard 0), so the values equal the unsplit conv's exactly."""
+    seq = ctx.axis(SEQ)
+    width = conv_w.shape[0] - 1
+    if seq is None or width == 0:
+        return causal_conv(u, conv_w, conv_b)
+
+    def local(u, w, b=None):
+        halo = sequence.previous_rows(u, width, seq)
+        return causal_conv(jnp.concatenate([halo, u], axis=1), w, b)[:, width:]
+
+    rows = sequence.rows_spec(ctx, u.shape[0], None)
+    args, specs = (u, conv_w), (rows, P())
+    if conv_b is not None:
+        args, specs = args + (conv_b,), specs + (P(),)
+    return sequence.split(local, ctx, specs, rows)(*args)
 
 
 def _value_activation(name, c, hold_fixed):

@@ -6,7 +6,7 @@ Mamba layer's in_proj and conv first reordered so that each shard's column block
 slice of every part (:mod:`latim_jax.model.channel_layout`: the layer's channels stay on their shard
 from in_proj to out_proj, whose sums are the forward's one all-reduce per layer), the
 embedding and head over "model" along the vocabulary when it divides, and replicates the norms;
-everything is replicated over "data". :func:`context` is what every public entry point calls once:
+everything is replicated over "data" and "seq". :func:`context` is what every public entry point calls once:
 it validates the mesh, lays the model out on it unless it already is, and resolves ``impl``.
 """
 
@@ -20,7 +20,7 @@ from latim_jax.model.channel_layout import fits
 from latim_jax.model.kind import kind_of
 from latim_jax.model.mixers import Mamba1Mixer, Mamba2Mixer
 from latim_jax.parallel.context import Context, resolve
-from latim_jax.parallel.mesh import MODEL, P, check_mesh
+from latim_jax.parallel.mesh import MODEL, SEQ, P, check_mesh
 
 MAMBA_MIXERS = (Mamba1Mixer, Mamba2Mixer)
 
@@ -87,12 +87,40 @@ def on_mesh(model, mesh: Mesh) -> bool:
     return all(set(x.sharding.device_set) == want for x in leaves if hasattr(x, "sharding"))
 
 
-def context(model, impl="auto", mesh: Mesh | None = None) -> Context:
+# the layer kinds whose forward splits the length over "seq" (latim_jax.parallel.sequence): the Mamba
+# scans (state carried across shards), attention (keys and values gathered), token-wise sublayers
+SEQUENCE_KINDS = ("mamba1", "mamba2", "attention", "mlp", "moe")
+
+
+def check_sequence(model, mesh: Mesh, *, sequence: bool) -> None:
+    """Refuse a mesh whose "seq" axis splits the length where the call or a layer kind cannot: only the
+    forward (``sequence`` True: logits) splits it so far, and only over :data:`SEQUENCE_KINDS`."""
+    d = Context(mesh=mesh).axis_size(SEQ)
+    if d <= 1:
+        return
+    if not sequence:
+        raise ValueError(
+            f'the mesh\'s "seq" axis (size {d}) splits the forward (logits: MambaLM.forward / __call__) '
+            'only so far; attribution runs on meshes over "data" and "model" (issue 43 item 1)'
+        )
+    for i, block in enumerate(model.layers):
+        if block.kind not in SEQUENCE_KINDS:
+            raise ValueError(
+                f"layer {i} is a {block.kind!r} layer, whose forward cannot split the length over the "
+                f'mesh\'s "seq" axis yet (supported kinds: {SEQUENCE_KINDS}); use a mesh over "data" '
+                'and "model"'
+            )
+
+
+def context(model, impl="auto", mesh: Mesh | None = None, *, sequence: bool = False) -> Context:
     """The execution context of a call on ``model``: ``impl`` resolved (:func:`latim_jax.parallel.
-    context.resolve`) and, with a mesh, the model laid out on it first (in place) unless it already is."""
+    context.resolve`) and, with a mesh, the model laid out on it first (in place) unless it already is.
+    ``sequence``: the call can split the length over a "seq" axis (the forward); else such a mesh is
+    refused (:func:`check_sequence`)."""
     if mesh is None:
         return resolve(impl)
     mesh = check_mesh(mesh)
+    check_sequence(model, mesh, sequence=sequence)
     if not on_mesh(model, mesh):
         shard(model, mesh)
     return resolve(impl, mesh)
