@@ -76,8 +76,8 @@ def selective_scan(
         if seq is None:
             return kernel(u, delta, A, B, C, D, h0)
         y, final = kernel(u, delta, A, B, C, D)  # from a zero state
-        log_decay = jnp.sum(delta.astype(jnp.float32), axis=1)[..., None] * A  # (b, e, n)
-        h_in, h_last = sequence.carry_in(log_decay, final, h0, seq)
+        total = jnp.sum(delta.astype(jnp.float32), axis=1)  # (b, e)
+        h_in, h_last = sequence.carry_in(total, A, final, h0, seq)
         if fixup == "rescan":
             return kernel(u, delta, A, B, C, D, h_in)[0], h_last
         return y + sequence.selective_scan_carry(delta, A, C, h_in), h_last
@@ -121,8 +121,8 @@ def ssd(
         if seq is None:
             return kernel(x, dt, A, B, C, D, initial_state=h0)
         y, final = kernel(x, dt, A, B, C, D)  # from a zero state
-        log_decay = (jnp.sum(dt.astype(jnp.float32), axis=1) * A)[..., None, None]  # (b, h, 1, 1)
-        h_in, h_last = sequence.carry_in(log_decay, final, h0, seq)
+        total = jnp.sum(dt.astype(jnp.float32), axis=1)  # (b, h)
+        h_in, h_last = sequence.carry_in(total, A[:, None, None], final, h0, seq)
         if fixup == "rescan":
             return kernel(x, dt, A, B, C, D, initial_state=h_in)[0], h_last
         return y + sequence.ssd_carry(dt, A, C, h_in), h_last

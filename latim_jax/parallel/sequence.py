@@ -5,12 +5,12 @@ Shard k of D holds positions [k l/D, (k+1) l/D) of every prompt (l/D = m). What 
 - The causal conv reads the previous k-1 conv inputs: :func:`previous_rows` passes each shard's last
   k-1 rows to the next by one ``ppermute`` (zeros into shard 0, as the single-device conv pads).
 - A linear scan h_t = a_t h_{t-1} + b_t (a diagonal per head / channel-state). Each shard scans from a
-  zero state, giving its final state f_k, and its total decay is exp(sum of its log-decays s_k). The
-  state entering shard k is the affine combination
+  zero state, giving its final state f_k, and its total decay is exp(s_k), s_k = A times the sum of
+  its Delta (per head / channel). The state entering shard k is the affine combination
 
       h_in_k = sum_{j<k} exp(s_{j+1} + ... + s_{k-1}) f_j   (+ exp(s_0 + ... + s_{k-1}) h_0),
 
-  which :func:`carry_in` builds from an ``all_gather`` of the D summaries (s_k, f_k), each weight's
+  which :func:`carry_in` builds from an ``all_gather`` of the D summaries (Delta sums, f_k), each weight's
   exponent a direct masked sum (a (D, D) 0/1 matrix against s: no difference of long cumulative sums)
   of terms <= 0. That is O(D) summaries per device and an O(D^2) combine: fine for D <= 64 (a
   log-depth ppermute scan would move less at pod scale). The shard's outputs are then corrected,
@@ -66,26 +66,32 @@ def gather_rows(x, axis: str = SEQ):
     return jax.lax.all_gather(x, axis, axis=1, tiled=True)
 
 
-def carry_in(log_decay, final, initial=None, axis: str = SEQ):
+def carry_in(total_delta, A, final, initial=None, axis: str = SEQ):
     """(state entering this shard, state after the last shard) of a linear scan split over ``axis``.
 
-    log_decay: this shard's total log-decay, broadcastable against ``final`` (<= 0); final: its state
-    after scanning from zero; initial: the state before shard 0 (None: zero). See the module docstring.
+    total_delta: the sum of this shard's Delta (b, h) (Mamba-2) / (b, e) (Mamba-1), its total log-decay
+    being total_delta * A, A (h, 1, 1) / (e, n) broadcast against the state; final: its state after
+    scanning from zero (b, h, p, n) / (b, e, n); initial: the state before shard 0 (None: zero). Only
+    the Delta sums and the final states are gathered. See the module docstring.
     """
-    s = jax.lax.all_gather(log_decay.astype(f32), axis)  # (D, ...)
-    f = jax.lax.all_gather(final.astype(f32), axis)  # (D, ...)
+    s = jax.lax.all_gather(total_delta.astype(f32), axis)  # (D, b, h|e)
+    f = jax.lax.all_gather(final.astype(f32), axis)  # (D, b, ...state)
+    A = A.astype(f32)
     n, k = s.shape[0], jax.lax.axis_index(axis)
     idx = jnp.arange(n)
+    lead = (n,) + (1,) * (f.ndim - 1)
+
+    def decay_sum(weights):  # sum_m weights[.., m] s_m, broadcast against the states
+        summed = jnp.tensordot(weights, s, axes=1, precision="highest")  # (.., b, h|e)
+        return summed.reshape(summed.shape + (1,) * (f.ndim - s.ndim)) * A
 
     def state_before(stop):  # the state after shards 0..stop-1
-        # exponent of shard j's weight: sum of s_m over j < m < stop, as a (D, D) 0/1 matmul against s
+        # exponent of shard j's weight: A times the sum of s_m over j < m < stop (a (D, D) 0/1 matmul)
         between = ((idx[None, :] > idx[:, None]) & (idx[None, :] < stop)).astype(f32)  # [j, m]
-        expo = jnp.tensordot(between, s, axes=1, precision="highest")  # (D, ...)
-        expo = jnp.where((idx < stop).reshape((n,) + (1,) * (s.ndim - 1)), expo, -jnp.inf)
+        expo = jnp.where((idx < stop).reshape(lead), decay_sum(between), -jnp.inf)
         h = jnp.sum(jnp.exp(expo) * f, axis=0)
         if initial is not None:  # h_0 decays through every shard before stop
-            before = (idx < stop).astype(f32)
-            h = h + jnp.exp(jnp.tensordot(before, s, axes=1, precision="highest")) * initial.astype(f32)
+            h = h + jnp.exp(decay_sum((idx < stop).astype(f32))) * initial.astype(f32)
         return h
 
     return state_before(k), state_before(n)
