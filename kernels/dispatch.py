@@ -11,10 +11,12 @@ returns the same pytree.
 - A mesh with a "seq" axis splits the length: both paths (XLA and Pallas) then run under shard_map
   over (batch on "data", length on "seq", channels on "model"); each shard scans from a zero state and
   :func:`latim_jax.parallel.sequence.carry_in` combines the shards' (total decay, final state)
-  summaries into the state entering each shard. ``fixup="correct"`` (default) adds that state's
-  decayed read-out C_t . exp(A cum Delta_t) h_in to the shard's outputs (one elementwise pass);
-  "rescan" scans the shard again from it (twice the scan work). The final state returned is the
-  whole length's (the same on every "seq" shard).
+  summaries into the state entering each shard. ``fixup="correct"`` adds that state's decayed
+  read-out C_t . exp(A cum Delta_t) h_in to the shard's outputs (one elementwise pass); "rescan"
+  scans the shard again from it; "auto" (default) rescans on the XLA path, where the first pass
+  shrinks to its final state (its outputs are dead code), and corrects with the Pallas kernels
+  (benchmarks/results/sequence_axis.md). The final state returned is the whole length's (the same
+  on every "seq" shard).
 
 ``block_sizes`` (a :class:`~latim_jax.kernels.block_sizes.Blocks`) tunes the Pallas tiles; None fields
 take ``Blocks.for_platform``'s. Both Pallas paths accept ``initial_state`` in the kernel and are
@@ -40,7 +42,7 @@ from latim_jax.parallel import sequence
 from latim_jax.parallel.context import XLA, Context
 from latim_jax.parallel.mesh import SEQ
 
-FIXUPS = ("correct", "rescan")  # how a shard of a split length takes the state entering it
+FIXUPS = ("auto", "correct", "rescan")  # how a shard of a split length takes the state entering it
 
 
 def _mesh_axes(ctx: Context, batch: int, channels: int):
@@ -52,17 +54,23 @@ def _mesh_axes(ctx: Context, batch: int, channels: int):
     return data, model, ctx.axis(SEQ)
 
 
-def _check_fixup(fixup: str) -> None:
+def _fixup(fixup: str, ctx: Context) -> str:
+    """The fixup of a split length: "auto" is "rescan" on the XLA path (the zero-start pass's outputs
+    are unused, so XLA drops them and that pass only computes the final state) and "correct" with the
+    Pallas kernels (a custom call always writes its outputs: a rescan would be two full passes)."""
     if fixup not in FIXUPS:
         raise ValueError(f"fixup must be one of {FIXUPS}, found {fixup!r}")
+    if fixup == "auto":
+        return "correct" if ctx.kernels else "rescan"
+    return fixup
 
 
 def selective_scan(
-    u, delta, A, B, C, D, initial_state=None, *, ctx: Context = XLA, block_sizes=None, fixup="correct"
+    u, delta, A, B, C, D, initial_state=None, *, ctx: Context = XLA, block_sizes=None, fixup="auto"
 ):
     """Mamba-1 selective scan -> (y (b, l, e), final_state (b, e, n)). See kernels/selective_scan.py.
     ``fixup``: how a length split over "seq" takes the state entering each shard (see module doc)."""
-    _check_fixup(fixup)
+    fixup = _fixup(fixup, ctx)
     data, model, seq = _mesh_axes(ctx, u.shape[0], u.shape[-1])
     if not ctx.kernels and seq is None:
         return selective_scan_reference(u, delta, A, B, C, D, initial_state)
@@ -93,11 +101,11 @@ def selective_scan(
 
 def ssd(
     x, dt, A, B, C, D, chunk_size=64, initial_state=None, *, ctx: Context = XLA, block_sizes=None,
-    fixup="correct",
+    fixup="auto",
 ):  # fmt: skip
     """Mamba-2 chunked SSD -> (y (b, l, h, p), final_state (b, h, p, n)). See kernels/ssd.py.
     ``fixup``: how a length split over "seq" takes the state entering each shard (see module doc)."""
-    _check_fixup(fixup)
+    fixup = _fixup(fixup, ctx)
     data, model, seq = _mesh_axes(ctx, x.shape[0], x.shape[2])
     if not ctx.kernels:  # the chunk length changes only rounding: the XLA path takes its fastest
         kernel = functools.partial(ssd_reference, chunk_size=min(chunk_size, XLA_CHUNK))
