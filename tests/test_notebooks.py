@@ -34,3 +34,33 @@ def test_notebook_executes(path, tmp_path, monkeypatch):
         if o.get("output_type") == "error"
     ]
     assert not errors
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_is_committed_with_its_outputs_and_its_run_time(path):
+    """A reader opening a notebook sees its figures and numbers (scripts/run_notebooks.py saves them) and
+    is told how long it runs; no cell's output dumps a training log."""
+    import json
+
+    nb = json.loads(path.read_text())
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    shown = [c for c in code if c.get("outputs")]
+    assert len(shown) >= len(code) / 2, [c["source"][:1] for c in code if not c.get("outputs")]
+    assert "Runs in about" in "".join(nb["cells"][0]["source"])
+    for c in code:
+        for out in c["outputs"]:
+            assert "'history'" not in "".join(out.get("text", [])) and "'training'" not in "".join(
+                out.get("text", [])
+            )
+
+
+def test_run_notebooks_refuses_an_unknown_name(capsys):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
+    try:
+        import run_notebooks
+    finally:
+        sys.path.pop(0)
+    assert run_notebooks.main(["no_such_notebook"]) == 2
+    assert "no such notebook" in capsys.readouterr().err
