@@ -8,6 +8,7 @@ Interpret mode on CPU for both kernel variants ("tpu": chunked grid with the sta
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -375,7 +376,12 @@ def dataclasses_frozen_error():
 # --------------------------------------------------------------------------------------------------
 
 LOWER_BLOCKS = Blocks(scan_block_l=128, scan_block_e=128, ssd_chunk=64, ssd_block_p=32)
-CUSTOM_CALL = {"tpu": "tpu_custom_call", "gpu": "triton"}
+CUSTOM_CALL = {"tpu": "tpu_custom_call", "gpu": "__gpu$xla.gpu.triton"}  # the custom_call target
+
+
+def hardware_calls(text: str) -> list[str]:
+    """The custom_call targets of a lowered module's text, in order."""
+    return re.findall(r"custom_call @([\w$.]+)", text)
 
 
 def _lower(platform, fn, args):
@@ -424,8 +430,11 @@ def _lowering_case(kernel, vmapped):
 def test_lowers(platform, kernel, vmapped):
     fn, args = _lowering_case(kernel, vmapped)
     fn = functools.partial(fn, block_sizes=LOWER_BLOCKS, platform=platform, interpret=False)
-    text = _lower(platform, jax.vmap(fn) if vmapped else fn, args)
-    assert CUSTOM_CALL[platform] in text
+    """Every pallas_call the function traces (one here) lowers to one hardware kernel call, and nothing
+    else does: a kernel left in interpret mode or lowered to another target fails."""
+    fn = jax.vmap(fn) if vmapped else fn
+    text = _lower(platform, fn, args)
+    assert hardware_calls(text) == [CUSTOM_CALL[platform]] * len(lowering.pallas_grids(fn, *args))
 
 
 @pytest.mark.parametrize("kernel", ["scan", "ssd"])
