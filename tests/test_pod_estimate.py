@@ -1,0 +1,95 @@
+"""benchmarks/pod_estimate.py: the arithmetic's invariants (pure arithmetic, no jax)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import pod_estimate as pe  # noqa: E402
+
+M7, NH = pe.MAMBA2_7B, pe.NEMOTRON_H_8B
+L = 128 * 1024
+
+
+@pytest.fixture(scope="module")
+def cal():
+    return pe.calibrate()
+
+
+def test_shapes_match_their_published_counts():
+    """Codestral Mamba's published size is 7,285,403,648 parameters (untied head); the hybrid's pattern
+    is 24 Mamba-2, 4 attention and 24 MLP layers."""
+    assert pe.params(M7)["total"] == 7_285_403_648
+    assert (NH.count("M"), NH.count("*"), NH.count("-"), len(NH.pattern)) == (24, 4, 24, 52)
+    assert 7.9e9 < pe.params(NH)["total"] < 8.3e9
+
+
+@pytest.mark.parametrize("shape,kind", [(M7, "M"), (NH, "M"), (NH, "*"), (NH, "-")])
+def test_per_token_memory_falls_as_one_over_seq(cal, shape, kind):
+    """Doubling seq halves the per-token part of a layer's working set; attention's whole-length part
+    (row tile over every key, gathered K/V) does not move."""
+    a, b = (pe.layer_memory(shape, kind, L, q, 1, cal) for q in (16, 32))
+    assert b["per_token"] == pytest.approx(a["per_token"] / 2)
+    if kind == "*":
+        assert b["whole"] == a["whole"]
+    for m in (a, b):
+        assert m["total"] == pytest.approx(m["per_token"] + sum(m["whole"].values()))
+
+
+def test_summaries_gather_grows_with_seq():
+    """The all-gather of (Delta sums, final state) is seq x one shard's summaries, split over model."""
+    sizes = [pe.summaries_gather_bytes(M7, q, 1) for q in (8, 16, 32, 64)]
+    assert sizes == sorted(sizes) and len(set(sizes)) == 4
+    one = M7.heads * (1 + M7.head_dim * M7.state) * 4
+    assert sizes[0] == 8 * one
+    assert pe.summaries_gather_bytes(M7, 32, 4) == 32 * one // 4
+    comm = [pe.layer_comm(M7, "M", L, q, 1)["summaries_all_gather"]["received"] for q in (8, 16, 32)]
+    assert comm == sorted(comm)
+
+
+def test_kv_gather_is_two_l_g_a_fp32():
+    for length in (L, 1024 * 1024):
+        kv = pe.layer_comm(NH, "*", length, 32, 1)["kv_all_gather"]["bytes"]
+        assert kv == 2 * length * NH.kv_heads * NH.attn_head_dim * 4
+        assert pe.attention_whole_length(NH, length, 32)["kv_gathered"] == kv
+
+
+def test_totals_add_up(cal):
+    r = pe.estimate(NH, L, 32, 16, 2, cal)
+    mem = r["memory"]
+    peak = max(v["total"] for v in mem["layers"].values())
+    assert mem["layers"][mem["peak_kind"]]["total"] == peak
+    assert mem["total"] == pytest.approx(mem["params"] + mem["logits"] + peak)
+    layers = sum(v["layers"] * v["time"]["s"] for v in r["per_layer"].values())
+    assert r["forward_s"] == pytest.approx(layers + r["head_s"])
+    for v in r["per_layer"].values():
+        assert v["comm_bytes"] == sum(c["bytes"] for c in v["comm"].values())
+        t = v["time"]
+        assert t["s"] == pytest.approx(max(t["compute_s"], t["hbm_s"]) + t["comm_s"])
+    assert sum(v["layers"] for v in r["per_layer"].values()) == len(NH.pattern)
+    # one device, one shard: nothing crosses over seq, model 1: no all-reduce
+    assert pe.layer_comm(M7, "M", L, 1, 1) == {} and pe.layer_comm(NH, "*", L, 1, 1) == {}
+
+
+def test_model_axis_splits_mamba_and_vocabulary_only():
+    p = pe.params(NH)
+    whole = (p["per_kind"]["*"] + p["per_kind"]["-"] + NH.d) * 2
+    for m in (1, 2, 8):
+        split = (p["per_kind"]["M"] + p["embedding_and_head"]) * 2 / m
+        assert pe.params_per_device(NH, m) == pytest.approx(split + whole)
+
+
+def test_reproduces_the_measured_collectives_and_results_file(cal):
+    """At the measured 130m-wide shape the bytes equal what bench_sequence_axis.py read from the HLO;
+    the committed results are this script's output."""
+    chk = pe.check_against_measurement()
+    assert chk["mamba2_all_gather_streams"] == pytest.approx(0.5, rel=0.01)
+    assert chk["hybrid_all_gather_streams_per_layer"] == pytest.approx(1.944, rel=0.01)
+    assert 1.0 < cal["mamba2_copies"] < 2.0 and 1.0 < cal["attention_copies"] < 2.0
+    committed = json.loads((ROOT / "benchmarks" / "results" / "pod_estimate.json").read_text())
+    assert committed == json.loads(json.dumps(pe.run(cal)))
