@@ -16,7 +16,7 @@ from latim_jax.latim.attribution import attribute
 from latim_jax.model.generate import generate
 from latim_jax.model.inputs import check_mask, is_traced
 
-_SET_HERE = ("rows", "target", "inputs_embeds", "bucket")  # attribute's arguments this call decides
+_SET_HERE = ("rows", "target", "inputs_embeds")  # attribute's arguments this call decides
 
 
 def attribute_generated(
