@@ -112,4 +112,3 @@ def _assert_close(a, b, where: str) -> None:
         assert a == pytest.approx(b, rel=1e-12, abs=0), where
     else:
         assert a == b, where
-
