@@ -313,5 +313,6 @@ def _fan_in(key, shape, c):
 ATTENTION = LayerKind(
     name="attention", display="attention", module=AttentionMixer, shapes=attention_shapes,
     output_params=("o_proj", "o_b"), check=check_attention, memory=attention_memory, holds_attention=True,
+    splits_sequence=True,  # keys, values and the mask gathered along the length
     init={"q_norm": _ones, "k_norm": _ones, "g_proj": _fan_in},
 )  # fmt: skip

@@ -21,6 +21,9 @@ library knows of a kind is one :class:`LayerKind`, declared beside its module (`
     holds_attention      a softmax attention inside (generation keeps a K/V cache)
     reads_embeddings     the block reads h^0 beside its stream (Zamba2's shared block)
     folds_norm           the pre-norm feeds the module's ``in_proj`` (the Mamba mixers: ``Block.projected``)
+    splits_sequence      its forward takes a mesh's "seq" axis (one prompt's length split over devices:
+                         :mod:`latim_jax.parallel.sequence`); a model with a kind that does not is refused
+                         such a mesh (:func:`latim_jax.model.sharding.check_sequence`)
     factors              its decomposition: factors(block, h, mask, ctx, mode, *, hold_fixed, with_total)
                          (:mod:`latim_jax.latim.kinds` documents the interface its result implements)
 
@@ -66,6 +69,7 @@ class LayerKind:
     holds_attention: bool = False
     reads_embeddings: bool = False
     folds_norm: bool = False
+    splits_sequence: bool = False
     factors: Callable | None = None
 
     def __post_init__(self):
@@ -128,6 +132,11 @@ def kind_of(name: str) -> LayerKind:
             "latim_jax is imported: latim_jax.latim.kinds)"
         )
     return kind
+
+
+def sequence_kinds() -> tuple[str, ...]:
+    """The registered kinds whose forward takes a mesh's "seq" axis (``splits_sequence``), sorted."""
+    return tuple(sorted(name for name, kind in _REGISTRY.items() if kind.splits_sequence))
 
 
 def display_name(name: str) -> str:

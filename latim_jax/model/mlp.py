@@ -102,5 +102,5 @@ def tokenwise_memory(width: int):
 
 MLP = LayerKind(
     name="mlp", display="MLP", module=MLPMixer, shapes=mlp_shapes, output_params=("down_proj", "down_b"),
-    check=check_mlp, memory=tokenwise_memory(lambda c: c.mlp_width),
+    check=check_mlp, memory=tokenwise_memory(lambda c: c.mlp_width), splits_sequence=True,  # token-wise
 )  # fmt: skip

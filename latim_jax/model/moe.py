@@ -163,5 +163,5 @@ MOE = LayerKind(
     name="moe", display="MoE", module=MoEMixer, shapes=moe_shapes,
     output_params=("experts_down", "shared_down", "shared_down_b"),  # latent MoE: latent_out(_b) instead
     check=check_moe, memory=tokenwise_memory(lambda c: c.moe_width + c.moe_shared_width + c.moe_experts),
-    init={"shared_expert_gate": _fan_in},
+    init={"shared_expert_gate": _fan_in}, splits_sequence=True,  # token-wise
 )  # fmt: skip

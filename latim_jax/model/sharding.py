@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from latim_jax.model.channel_layout import fits
-from latim_jax.model.kind import kind_of
+from latim_jax.model.kind import kind_of, sequence_kinds
 from latim_jax.model.mixers import Mamba1Mixer, Mamba2Mixer
 from latim_jax.parallel.context import Context, resolve
 from latim_jax.parallel.mesh import MODEL, SEQ, P, check_mesh
@@ -87,14 +87,10 @@ def on_mesh(model, mesh: Mesh) -> bool:
     return all(set(x.sharding.device_set) == want for x in leaves if hasattr(x, "sharding"))
 
 
-# the layer kinds whose forward splits the length over "seq" (latim_jax.parallel.sequence): the Mamba
-# scans (state carried across shards), attention (keys and values gathered), token-wise sublayers
-SEQUENCE_KINDS = ("mamba1", "mamba2", "attention", "mlp", "moe")
-
-
 def check_sequence(model, mesh: Mesh, *, sequence: bool) -> None:
     """Refuse a mesh whose "seq" axis splits the length where the call or a layer kind cannot: only the
-    forward (``sequence`` True: logits) splits it so far, and only over :data:`SEQUENCE_KINDS`."""
+    forward (``sequence`` True: logits) splits it so far, and only over the kinds that declare it
+    (``LayerKind.splits_sequence``: :func:`latim_jax.model.kind.sequence_kinds`)."""
     d = Context(mesh=mesh).axis_size(SEQ)
     if d <= 1:
         return
@@ -104,11 +100,11 @@ def check_sequence(model, mesh: Mesh, *, sequence: bool) -> None:
             'only so far; attribution runs on meshes over "data" and "model" (issue 43 item 1)'
         )
     for i, block in enumerate(model.layers):
-        if block.kind not in SEQUENCE_KINDS:
+        if not kind_of(block.kind).splits_sequence:
             raise ValueError(
                 f"layer {i} is a {block.kind!r} layer, whose forward cannot split the length over the "
-                f'mesh\'s "seq" axis yet (supported kinds: {SEQUENCE_KINDS}); use a mesh over "data" '
-                'and "model"'
+                f'mesh\'s "seq" axis yet (kinds that can: {", ".join(sequence_kinds())}); use a mesh over '
+                '"data" and "model"'
             )
 
 
