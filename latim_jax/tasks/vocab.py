@@ -98,6 +98,14 @@ def encode(model, text: str) -> tuple[list[int], list[str]]:
     no task vocabulary) or when a word is not in a word-level vocabulary, naming it and showing the
     vocabulary."""
     tok = load_tokenizer(model)
+    enc = encoding(model, text)
+    return list(enc.ids), [_label(tok, i, t) for i, t in zip(enc.ids, enc.tokens, strict=True)]
+
+
+def encoding(model, text: str):
+    """The tokenizer's ``Encoding`` of ``text`` (ids, tokens, offsets into the text), with
+    :func:`encode`'s refusals."""
+    tok = load_tokenizer(model)
     if tok is None:
         raise ValueError(
             f"the checkpoint {model.source!r} has no tokenizer.json and no task vocabulary; "
@@ -108,7 +116,7 @@ def encode(model, text: str) -> tuple[list[int], list[str]]:
     except ValueError as err:
         vocab = describe(model_words(model) or [])
         raise ValueError(f"{err} (this model's vocabulary: {vocab}); or pass ids with --tokens") from None
-    return list(enc.ids), [_label(tok, i, t) for i, t in zip(enc.ids, enc.tokens, strict=True)]
+    return enc
 
 
 def _label(tok, i: int, token: str | None) -> str:

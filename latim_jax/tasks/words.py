@@ -83,9 +83,8 @@ def word_spans(model, tokens=None, *, text: str | None = None, mask=None):
     if text is not None:
         if tokens is not None:
             raise ValueError("pass tokens or text, not both")
-        ids, _ = vocab.encode(model, text)
-        enc = tok.encode(text)
-        offsets = list(enc.offsets)
+        enc = vocab.encoding(model, text)  # one encoding: the ids and their offsets into the text
+        ids, offsets = list(enc.ids), list(enc.offsets)
         special = [i in special_ids for i in ids]
         ends = [0] + [e for _, e in offsets]
         pieces = [text[ends[k] : offsets[k][1]] for k in range(len(ids))]  # the gap before, then the token
