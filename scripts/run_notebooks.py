@@ -20,6 +20,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
+# what a reader should not find in a committed output: progress bars, tqdm's "IProgress not found"
+# (with this machine's site-packages path), transformers' notes that its CUDA kernels are absent
+QUIET = {
+    "TQDM_DISABLE": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+    "PYTHONWARNINGS": "ignore:IProgress not found",
+}
 
 
 def run(path: Path, tiny: bool, timeout: int) -> float:
@@ -28,7 +37,7 @@ def run(path: Path, tiny: bool, timeout: int) -> float:
     import nbformat
 
     nb = nbformat.read(path, as_version=4)
-    env = {**os.environ, "MPLBACKEND": "module://matplotlib_inline.backend_inline"}
+    env = {**os.environ, "MPLBACKEND": "module://matplotlib_inline.backend_inline", **QUIET}
     env.pop("LATIM_NOTEBOOK_TINY", None)
     if tiny:
         env["LATIM_NOTEBOOK_TINY"] = "1"
