@@ -13,9 +13,11 @@ dim, v value dim, K conv taps; e = H v the value width, m = 2 Hk k + H v the con
     out             = y W_out
 
 Padding positions take beta = 0 and g = 0 (an identity step: the state passes them unchanged), so a
-padded prompt equals the prompt alone. Parameters (the checkpoint readers map each family's names
-onto these): in_proj (d, 2 Hk k + 2 e) [order q, k, v, z], ba_proj (d, 2 H) [b, a], conv_w (K, m),
-conv_b (m,) when ``conv_bias``, dt_bias (H,), A_log (H,), norm_w (v,), out_proj (e, d).
+padded prompt equals the prompt alone. With one prompt's length split over a mesh's "seq" axis the
+conv reads the previous shard's last K-1 inputs and the rule's state is carried across shards
+(:func:`split_rule`, :mod:`latim_jax.parallel.sequence`). Parameters (the checkpoint readers map each
+family's names onto these): in_proj (d, 2 Hk k + 2 e) [order q, k, v, z], ba_proj (d, 2 H) [b, a],
+conv_w (K, m), conv_b (m,) when ``conv_bias``, dt_bias (H,), A_log (H,), norm_w (v,), out_proj (e, d).
 """
 
 from __future__ import annotations
@@ -28,9 +30,12 @@ import jax.numpy as jnp
 
 from latim_jax.kernels import delta_rule, f32
 from latim_jax.model.kind import LayerKind
-from latim_jax.model.layers import activation, causal_conv, causal_conv_step, linear
+from latim_jax.model.layers import activation, causal_conv_step, linear
+from latim_jax.model.mixers import split_causal_conv
 from latim_jax.model.params import ParamModule
+from latim_jax.parallel import sequence
 from latim_jax.parallel.context import XLA, Context
+from latim_jax.parallel.mesh import SEQ
 
 ACTIVATIONS = ("silu", "identity")
 
@@ -175,16 +180,15 @@ class GatedDeltaNetMixer(ParamModule):
     def intermediates(self, x, *, mask, ctx: Context = XLA, values=None) -> DeltaIntermediates:
         """The forward's intermediates for the normalised input x (b, l, d); ``values`` (b, l, H, v):
         run the rule over these values instead of the layer's own (the decomposition's token sums)."""
-        del ctx
         s = self.section
         valid = mask[..., None]
         x = jnp.where(valid, x, jnp.zeros((), x.dtype))
         qkv, z = self.project(x)
         u = qkv.astype(self.conv_w[...].dtype)
-        c = causal_conv(u, self.conv_w[...], self._get("conv_b"))
+        c = split_causal_conv(u, self.conv_w[...], self._get("conv_b"), ctx=ctx)
         q, k, v = self.heads(activation(s.activation)(c))
         g, beta = self.rates(x, valid)
-        o, _ = delta_rule.chunked(q, k, v if values is None else values, g, beta, s.chunk)
+        o = split_rule(q, k, v if values is None else values, g, beta, s.chunk, ctx)
         return DeltaIntermediates(u=u, c=c, q=q, k=k, v=v, g=g, beta=beta, z=z, o=o, G=self.gate(o, z))
 
     def output(self, inter: DeltaIntermediates):
@@ -219,6 +223,34 @@ class GatedDeltaNetMixer(ParamModule):
         out = linear((o.reshape(z.shape) * self.gate(o, z)), self.out_proj[...])
         keep = valid[:, None, None]
         return out, (jnp.where(keep, new_conv, conv), jnp.where(keep[..., None], new_S, S))
+
+
+def split_rule(q, k, v, g, beta, chunk: int, ctx: Context = XLA):
+    """The rule's output o (b, l, H, v) (:func:`latim_jax.kernels.delta_rule.chunked` from a zero state),
+    with the length split over the mesh's "seq" axis when the context has one: each shard runs the rule
+    from zero over its values and, beside them, k zero value columns from the identity state, one call
+    giving its final state F, its transition P = A_end ... A_start (S_out = P S_in + F) and, per position,
+    (A_t ... A_start)^T q_t; the state entering it from the previous shards' summaries
+    (:func:`latim_jax.parallel.sequence.delta_carry_in`) then adds S_in^T (A_t ... A_start)^T q_t to its
+    outputs (exact: the rule is linear in its state)."""
+    seq = ctx.axis(SEQ)
+    if seq is None:
+        return delta_rule.chunked(q, k, v, g, beta, chunk)[0]
+
+    def local(q, k, v, g, beta):
+        b, _, H, dk = k.shape
+        dv = v.shape[-1]
+        values = jnp.concatenate([v.astype(f32), jnp.zeros(k.shape, f32)], axis=-1)
+        eye = jnp.broadcast_to(jnp.eye(dk, dtype=f32), (b, H, dk, dk))
+        state = jnp.concatenate([jnp.zeros((b, H, dk, dv), f32), eye], axis=-1)
+        o, S = delta_rule.chunked(q, k, values, g, beta, chunk, state=state)
+        S_in = sequence.delta_carry_in(S[..., :dv], S[..., dv:], seq)
+        return o[..., :dv] + jnp.einsum("bmhk,bhkv->bmhv", o[..., dv:], S_in, precision="highest")
+
+    heads = sequence.rows_spec(ctx, q.shape[0], None, None)  # (b, l, H, k|v)
+    rates = sequence.rows_spec(ctx, q.shape[0], *(None,) * (g.ndim - 2))  # g (b, l, H[, k])
+    specs = (heads, heads, heads, rates, sequence.rows_spec(ctx, q.shape[0], None))
+    return sequence.split(local, ctx, specs, heads)(q, k, v, g, beta)
 
 
 def gdn_shapes(c) -> dict[str, tuple[int, ...]]:
@@ -300,6 +332,7 @@ GDN = LayerKind(
     init={"conv_w": _conv, "conv_b": _conv, "dt_bias": _dt_bias, "A_log": _a_log, "norm_w": _ones,
           "ba_proj": _uniform(lambda shape: 1.0 / math.sqrt(shape[0]))},
     channel_axis={},  # replicated over "model" for now: a head-matched layout is future work
+    splits_sequence=True,  # the conv's halo and the rule's state carried across "seq" shards: split_rule
 )  # fmt: skip
 
 
@@ -369,4 +402,5 @@ KDA = LayerKind(
     section=DeltaRuleConfig, output_params=("out_proj",), memory=delta_memory("kda", per_channel=True),
     init={"conv_w": _conv, "conv_b": _conv, "dt_bias": _dt_bias, "A_log": _a_log, "norm_w": _ones,
           "decay_a": _FAN_IN, "decay_b": _FAN_IN, "b_proj": _FAN_IN, "gate_a": _FAN_IN, "gate_b": _FAN_IN},
+    splits_sequence=True,
 )  # fmt: skip

@@ -192,4 +192,5 @@ MLA = LayerKind(
     output_params=("o_proj", "o_b"), memory=_mla_memory, holds_attention=True,
     init={"q_a": _fan_in, "q_b": _fan_in, "kv_a": _fan_in, "kv_b": _fan_in, "q_a_norm": _ones,
           "kv_norm": _ones, "kv_a_b": _fan_in, "q_a_b": _fan_in},
+    splits_sequence=True,  # the attention kind's forward: keys, values and the mask gathered along the length
 )  # fmt: skip

@@ -2,7 +2,8 @@
 simulated CPU devices in a subprocess (the device count must be set before jax starts). Mamba-1,
 Mamba-2 (chunks shorter than a shard, so chunk and shard boundaries both cross) and a hybrid with
 attention, MLP and experts, left padding across a shard boundary, a length that "seq" does not
-divide; the refusals (attribution, a kind without a split)."""
+divide; the refusals (attribution, a kind without a split). The delta-rule kinds and MLA:
+tests/parallel/test_sequence_delta.py."""
 
 from __future__ import annotations
 
@@ -64,13 +65,15 @@ SCRIPT = textwrap.dedent(
         raise AssertionError("attribute over a seq mesh was not refused")
     except ValueError as e:
         assert "splits the forward" in str(e), e
-    cfg = MambaConfig(version=2, d_model=16, n_layers=2, vocab_size=32, layer_kinds=("gdn", "mlp"),
-                      mlp_width=24, sections={"gdn": dict(k_heads=2, v_heads=4, k_dim=4, v_dim=4, chunk=4)})
+    # a kind that does not declare "seq" (LayerKind.splits_sequence; tests/parallel/test_sequence_delta.py)
+    cfg = MambaConfig(version=2, d_model=16, n_layers=2, vocab_size=32, head_dim=4,
+                      layer_kinds=("mamba2", "shared"), attn_heads=2, attn_kv_heads=1, attn_head_dim=8,
+                      mlp_width=24, mlp_gated=True)
     try:
         latim_jax.MambaLM(cfg, init_params(cfg, 1))(tokens[:1, :16], impl="xla", mesh=mesh)
-        raise AssertionError("a gdn layer over a seq mesh was not refused")
+        raise AssertionError("a shared layer over a seq mesh was not refused")
     except ValueError as e:
-        assert "'gdn'" in str(e) and "seq" in str(e), e
+        assert "'shared'" in str(e) and "seq" in str(e) and "gdn, kda" in str(e), e
     print("OK")
     """
 ) % {"tol": TOL}
