@@ -5,6 +5,7 @@ the two ways a shard takes the state entering it (correct the outputs / rescan f
     python benchmarks/bench_sequence_axis.py                       # L = 32k, seq = 8 (~5 min, 2 cores)
     python benchmarks/bench_sequence_axis.py --length 4096 --fixup-length 4096
     python benchmarks/bench_sequence_axis.py --out benchmarks/results/sequence_axis.json
+    python benchmarks/bench_sequence_axis.py --models gdn --no-fixup   # the Gated DeltaNet layer alone
 
 Memory is XLA's ``compiled.memory_analysis()`` of the jitted logits (random 130m-wide weights, one
 prompt, inputs as embeddings): argument, output and temporary bytes of ONE device's program (an SPMD
@@ -13,7 +14,10 @@ program is the same on every device). Collectives are read from the optimised HL
 stream (b l/D d fp32). The fixup comparison compiles one scan (Mamba-2 SSD and Mamba-1 selective
 scan, 130m-wide, XLA path) over seq = 8 both ways and times it on the 8 simulated devices (which
 share this machine's cores, so the wall time is the total work, not a device's) and reads XLA's flop
-estimate. Nothing here needs an accelerator.
+estimate. "gdn" is two Gated DeltaNet layers at that width (6 key and 12 value heads of 128, chunks of
+64: Qwen3-Next's head shape, value width 2 d): its collectives are the conv's halo and the gather of
+the rule's (final state, transition) summaries (latim_jax.parallel.sequence). Nothing here needs an
+accelerator.
 """
 
 from __future__ import annotations
@@ -43,7 +47,17 @@ def memory(compiled) -> dict:
     }
 
 
-def measure_forward(length: int, d: int) -> list[dict]:
+def models(MambaConfig) -> dict:
+    """The measured models: bench_collectives' Mamba-1, Mamba-2 and hybrid, and two Gated DeltaNet
+    layers at the same width."""
+    gdn = dict(k_heads=6, v_heads=12, k_dim=128, v_dim=128, chunk=64)
+    return configs(MambaConfig) | {
+        "gdn": MambaConfig(version=2, d_model=768, n_layers=2, vocab_size=512, layer_kinds=("gdn", "gdn"),
+                           sections={"gdn": gdn}),
+    }  # fmt: skip
+
+
+def measure_forward(length: int, d: int, names=None) -> list[dict]:
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -55,7 +69,9 @@ def measure_forward(length: int, d: int) -> list[dict]:
 
     rows = []
     mesh = jax.make_mesh((d,), ("seq",), devices=jax.devices()[:d])
-    for name, cfg in configs(MambaConfig).items():
+    for name, cfg in models(MambaConfig).items():
+        if names and name not in names:
+            continue
         embeds = jnp.ones((1, length, cfg.d_model), jnp.float32)
         row = {"model": name, "L": length, "seq": d, "layers": cfg.n_layers}
         for where, m in (("one_device", None), ("split", mesh)):
@@ -157,6 +173,8 @@ def markdown(forward: list[dict], fixup: list[dict]) -> str:
             f"| {r['model']} | {r['L']} | {r['seq']} | {one['temp_mib']} | {split['temp_mib']} "
             f"| {r['temp_ratio']} | {split['args_mib']} | {coll} |"
         )
+    if not fixup:
+        return "\n".join(lines) + "\n"
     lines += [
         "",
         "## Correct vs rescan (one scan over seq, 8 simulated devices sharing the cores)",
@@ -176,13 +194,15 @@ def main(argv=None) -> int:
     parser.add_argument("--length", type=int, default=32768)
     parser.add_argument("--fixup-length", type=int, default=8192)
     parser.add_argument("--seq", type=int, default=8)
+    parser.add_argument("--models", nargs="*", default=None, help="a subset of mamba1 mamba2 hybrid gdn")
+    parser.add_argument("--no-fixup", action="store_true", help="skip the correct-vs-rescan comparison")
     parser.add_argument("--out", type=Path, default=None, help="JSON results (a .md table beside it)")
     args = parser.parse_args(argv)
     import jax
 
     assert len(jax.devices()) == 8, "run as a script: the 8 simulated devices are set before jax starts"
-    forward = measure_forward(args.length, args.seq)
-    fixup = measure_fixup(args.fixup_length, args.seq)
+    forward = measure_forward(args.length, args.seq, args.models)
+    fixup = [] if args.no_fixup else measure_fixup(args.fixup_length, args.seq)
     if args.out is not None:
         args.out.write_text(json.dumps({"forward": forward, "fixup": fixup}, indent=1) + "\n")
         args.out.with_suffix(".md").write_text(markdown(forward, fixup))
