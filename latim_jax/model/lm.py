@@ -326,7 +326,7 @@ class MambaLM(nnx.Module):
         block function, so compile time does not grow with depth. impl: "auto" | "xla" | "pallas"
         (:mod:`latim_jax.parallel.context`). mesh: a device mesh (see :mod:`latim_jax.parallel.mesh`):
         prompts split over "data", the layers model-parallel over "model", each prompt's length over
-        "seq" (:mod:`latim_jax.parallel.sequence`; Mamba, attention, MLP and MoE layers).
+        "seq" (:mod:`latim_jax.parallel.sequence`; the kinds that declare ``LayerKind.splits_sequence``).
         """
         ctx = context(self, impl, mesh, sequence=True)
         x = self.prepare_inputs(tokens, mask, inputs_embeds, ctx)
