@@ -59,7 +59,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # tests/families.py: the tiny transformers builders
 
 import latim_jax  # noqa: E402
-from latim_jax.kernels import delta_rule  # noqa: E402
 from latim_jax.latim.kinds import layer_factors  # noqa: E402
 from latim_jax.model.layers import activation  # noqa: E402
 
@@ -239,7 +238,7 @@ def one_layer(model, L, h, tokens, cache, bridge, li) -> dict:
     mask = jnp.ones((b, length), bool)
     inter = mixer.intermediates(block.normed(h), mask=mask)
     f = layer_factors(model, h, L)
-    M = np.asarray(delta_rule.m_tile(f.q, f.k, f.g, f.beta, jnp.arange(length), 0, length), np.float64)
+    M = np.asarray(f.m_tile(jnp.arange(length), 0, length), np.float64)
 
     # the public API's hidden attention ("signed": M averaged over the value heads) is the same map
     ha = latim_jax.attribute(model, tokens, method="hidden_attention", aggregation="signed", layers=[L])

@@ -23,6 +23,8 @@ never an l x l x k or l x l x k x v tensor.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax.scipy.linalg import solve_triangular
@@ -34,6 +36,45 @@ def l2_normalise(x, eps: float = 1e-6):
     """x * rsqrt(sum(x^2) + eps) over the last axis, in fp32 (the FLA / transformers l2norm)."""
     x = x.astype(f32)
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def _chunk_algebra(q, k, g, beta, chunk: int):
+    """The per-chunk UT-transform quantities both :func:`chunked` and :func:`tile_factors` build on: q, k
+    (b, l, H, k), g (b, l, H) or (b, l, H, k), beta (b, l, H) -> a dict of chunk-major arrays (n, b, H,
+    ...): beta (C,), gamma (C, c) (c = k, or 1 for a decay per head), U (C, C), Kd (C, k), intra (C, C),
+    q_in, k_out (C, k), with l zero-padded to n C (beta 0, g 0 there: an identity step)."""
+    b, length, H, dk = k.shape
+    C = int(chunk)
+    per_channel = g.ndim == 4
+    if not per_channel:
+        g = g[..., None]  # one channel, broadcast over k
+    pad = (-length) % C
+    if pad:  # zero-padded positions: beta 0, g 0, an identity step
+        q, k, g = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, g))
+        beta = jnp.pad(beta, ((0, 0), (0, pad), (0, 0)))
+    n = (length + pad) // C
+
+    def chunks(x):  # (b, l, H, ...) -> (n, b, H, C, ...)
+        x = x.reshape(b, n, C, H, *x.shape[3:])
+        return jnp.moveaxis(jnp.moveaxis(x, 3, 2), 1, 0)
+
+    q, k, g, beta = (chunks(x.astype(f32)) for x in (q, k, g, beta))
+    gamma = jnp.cumsum(g, axis=-2)  # (n, b, H, C, c) with c = k or 1
+    lower = jnp.tril(jnp.ones((C, C), bool))
+    diff = jnp.where(lower[..., None], gamma[..., :, None, :] - gamma[..., None, :, :], -jnp.inf)
+    E = jnp.exp(diff)  # (n, b, H, C, C, c)
+    if per_channel:
+        kk = jnp.einsum("nbhic,nbhjc,nbhijc->nbhij", k, k, E)
+        intra = jnp.einsum("nbhic,nbhjc,nbhijc->nbhij", q, k, E)
+    else:
+        kk = jnp.einsum("nbhic,nbhjc->nbhij", k, k) * E[..., 0]
+        intra = jnp.einsum("nbhic,nbhjc->nbhij", q, k) * E[..., 0]
+    U = jnp.eye(C, dtype=f32) + jnp.where(jnp.tril(lower, -1), beta[..., :, None] * kk, 0.0)
+    Kd = solve_triangular(U, beta[..., None] * k * jnp.exp(gamma), lower=True, unit_diagonal=True)
+    return dict(
+        beta=beta, gamma=gamma, U=U, Kd=Kd, intra=intra, q_in=q * jnp.exp(gamma),
+        k_out=k * jnp.exp(gamma[..., -1:, :] - gamma),
+    )  # fmt: skip
 
 
 def chunked(q, k, v, g, beta, chunk: int, state=None):
@@ -51,36 +92,12 @@ def chunked(q, k, v, g, beta, chunk: int, state=None):
     b, length, H, dk = k.shape
     dv = v.shape[-1]
     C = int(chunk)
-    per_channel = g.ndim == 4
-    if not per_channel:
-        g = g[..., None]  # one channel, broadcast over k
-    pad = (-length) % C
-    if pad:  # zero-padded positions: beta 0, g 0, an identity step
-        q, k, v, g = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v, g))
-        beta = jnp.pad(beta, ((0, 0), (0, pad), (0, 0)))
-    n = (length + pad) // C
-
-    def chunks(x):  # (b, l, H, ...) -> (n, b, H, C, ...)
-        x = x.reshape(b, n, C, H, *x.shape[3:])
-        return jnp.moveaxis(jnp.moveaxis(x, 3, 2), 1, 0)
-
-    q, k, v, g, beta = (chunks(x.astype(f32)) for x in (q, k, v, g, beta))
-    gamma = jnp.cumsum(g, axis=-2)  # (n, b, H, C, c) with c = k or 1
-    lower = jnp.tril(jnp.ones((C, C), bool))
-    diff = jnp.where(lower[..., None], gamma[..., :, None, :] - gamma[..., None, :, :], -jnp.inf)
-    E = jnp.exp(diff)  # (n, b, H, C, C, c)
-    if per_channel:
-        kk = jnp.einsum("nbhic,nbhjc,nbhijc->nbhij", k, k, E)
-        intra = jnp.einsum("nbhic,nbhjc,nbhijc->nbhij", q, k, E)
-    else:
-        kk = jnp.einsum("nbhic,nbhjc->nbhij", k, k) * E[..., 0]
-        intra = jnp.einsum("nbhic,nbhjc->nbhij", q, k) * E[..., 0]
-    U = jnp.eye(C, dtype=f32) + jnp.where(jnp.tril(lower, -1), beta[..., :, None] * kk, 0.0)
-    W = solve_triangular(U, beta[..., None] * v, lower=True, unit_diagonal=True)
-    Kd = solve_triangular(U, beta[..., None] * k * jnp.exp(gamma), lower=True, unit_diagonal=True)
-    q_in = q * jnp.exp(gamma)
-    k_out = k * jnp.exp(gamma[..., -1:, :] - gamma)
-    step_decay = jnp.exp(gamma[..., -1, :])[..., :, None]  # (n, b, H, c, 1): rows of the state
+    x = _chunk_algebra(q, k, g, beta, C)
+    n = x["U"].shape[0]
+    v = jnp.pad(v.astype(f32), ((0, 0), (0, n * C - length), (0, 0), (0, 0)))
+    v = jnp.moveaxis(jnp.moveaxis(v.reshape(b, n, C, H, dv), 3, 2), 1, 0)  # (n, b, H, C, v)
+    W = solve_triangular(x["U"], x["beta"][..., None] * v, lower=True, unit_diagonal=True)
+    step_decay = jnp.exp(x["gamma"][..., -1, :])[..., :, None]  # (n, b, H, c, 1): rows of the state
 
     def body(S, xs):
         W_c, Kd_c, intra_c, q_c, k_c, d_c = xs
@@ -90,7 +107,7 @@ def chunked(q, k, v, g, beta, chunk: int, state=None):
         return S, o
 
     S0 = jnp.zeros((b, H, dk, dv), f32) if state is None else state.astype(f32)
-    S, o = jax.lax.scan(body, S0, (W, Kd, intra, q_in, k_out, step_decay))
+    S, o = jax.lax.scan(body, S0, (W, x["Kd"], x["intra"], x["q_in"], x["k_out"], step_decay))
     o = jnp.moveaxis(o, 0, 2).reshape(b, H, n * C, dv)[:, :, :length]  # (n, b, H, C, v) -> (b, H, l, v)
     return jnp.moveaxis(o, 1, 2), S
 
@@ -111,33 +128,92 @@ def step(S, q_t, k_t, v_t, g_t, beta_t):
     return jnp.einsum("bhkv,bhk->bhv", S, q_t), S
 
 
-def m_tile(q, k, g, beta, rows, c0, width: int):
-    """M[rows, c0 : c0 + width] per head, (b, H, r, width): q, k (b, l, H, k), beta (b, l, H), g (b, l, H)
-    or (b, l, H, k) fp32;
-    ``rows`` (r,) int target positions, ``c0`` the first source column (columns past the end are 0).
+class TileFactors(NamedTuple):
+    """What :func:`m_tile` reads, built once per layer by :func:`tile_factors`: per chunk n of C positions
+    and head, batch first (b, n, H, ...) like every factor (the score stage splits the batch axis):
 
-    The recurrence runs over one-hot values of the ``width`` columns: X_t = A_t X_{t-1} + beta_t k_t
-    e_{t - c0}^T (k, width) from X = 0, and row t of the tile is q_t^T X_t, so M[t, j] is exactly
-    beta_j q_t^T A_t ... A_{j+1} k_j and 0 above the diagonal. One pass over the l positions: O(l k
-    width) per head, with the state and the tile as its only memory."""
-    b, length, H, dk = k.shape
+        local    (b, n, H, C, C)  M inside the chunk: intra U^-1 Diag(beta), lower triangular
+        inject   (b, n, H, k, C)  the state at the chunk's end from a one-hot value at each position:
+                                  k_out^T U^-1 Diag(beta)
+        readout  (b, n, H, C, k)  what each position reads of the state entering the chunk:
+                                  q_in - intra Kd
+        carry    (b, n, H, k, k)  the state across the chunk: Diag(e^{gamma_C}) - k_out^T Kd
+
+    (the notation of :func:`chunked`). Memory: l (C + 2 k + k^2 / C) floats per head and prompt."""
+
+    local: jax.Array
+    inject: jax.Array
+    readout: jax.Array
+    carry: jax.Array
+
+
+def tile_factors(q, k, g, beta, chunk: int) -> TileFactors:
+    """The per-chunk quantities of M (:class:`TileFactors`) for q, k (b, l, H, k), g (b, l, H) or (b, l,
+    H, k), beta (b, l, H) fp32, in chunks of ``chunk`` positions (l zero-padded to a multiple: identity
+    steps, whose columns of M are 0).
+
+    From :func:`chunked`'s algebra with one-hot values: a chunk's output from the state S entering it and
+    its own values V is o = (q_in - intra Kd) S + intra U^-1 Diag(beta) V and the state leaving it S' =
+    (Diag(e^{gamma_C}) - k_out^T Kd) S + k_out^T U^-1 Diag(beta) V, which names the four factors. The
+    transient memory is :func:`chunked`'s: (C, C) per position and head ((C, C, k) with a decay per
+    key channel)."""
+    C = int(chunk)
+    x = _chunk_algebra(q, k, g, beta, C)
+    eye = jnp.broadcast_to(jnp.eye(C, dtype=f32), x["U"].shape)
+    U_beta = solve_triangular(x["U"], eye, lower=True, unit_diagonal=True) * x["beta"][..., None, :]
+    local = jnp.einsum("nbhij,nbhja->nbhia", x["intra"], U_beta)
+    inject = jnp.einsum("nbhck,nbhca->nbhka", x["k_out"], U_beta)
+    readout = x["q_in"] - jnp.einsum("nbhij,nbhjk->nbhik", x["intra"], x["Kd"])
+    decay = jnp.exp(x["gamma"][..., -1, :])[..., :, None]  # (n, b, H, c, 1), c = k or 1
+    dk = k.shape[-1]
+    carry = decay * jnp.eye(dk, dtype=f32) - jnp.einsum("nbhck,nbhcm->nbhkm", x["k_out"], x["Kd"])
+    return TileFactors(*(jnp.moveaxis(y, 0, 1) for y in (local, inject, readout, carry)))
+
+
+def m_tile(factors: TileFactors, rows, c0, width: int):
+    """M[rows, c0 : c0 + width] per head, (b, H, r, width), from the layer's :class:`TileFactors`:
+    ``rows`` (r,) int target positions in any order (repeats allowed), ``c0`` the first source column
+    (a traced int is fine; columns past the end are 0).
+
+    For a target t in chunk I (local index i) and a source j in chunk J (local index a):
+
+        M[t, j] = local_I[i, a]                                            (I = J)
+                = readout_I[i] carry_{I-1} ... carry_{J+1} inject_J[:, a]  (J < I),  0 for J > I
+
+    One fixed-length scan over the n chunks carries Y (b, H, k, width), the state that the tile's
+    columns have put in: chunk I's rows read readout_I[rows] Y (plus their local block), then Y <-
+    carry_I Y + inject_I[:, the columns in chunk I]. Chunks before the first column's or after the last
+    row's are skipped (a ``lax.cond``, so the scan stays reverse-differentiable), as is the read of a
+    chunk holding none of the rows: a tile costs O((k^2 + r k) width) per head and chunk between its
+    columns and its last row, and holds Y, the tile and one chunk's factors: O(b H (k + r) width), not
+    the l sequential one-token steps of running the recurrence over one-hot values."""
+    b, n, H, C, _ = factors.local.shape
+    dk = factors.carry.shape[-1]
+    rows = jnp.asarray(rows, jnp.int32)
     cols = c0 + jnp.arange(width)
-    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, g, beta)) + (jnp.arange(length),)
+    col_chunk, col_at = cols // C, cols % C
+    row_chunk, row_at = rows // C, rows % C
+    first, last = c0 // C, jnp.max(row_chunk)
+    xs = (jnp.arange(n),) + tuple(jnp.moveaxis(x, 1, 0) for x in factors)  # chunk-major: (n, b, H, ...)
+
+    def read(i, loc, rd, Y, out):  # the rows in chunk i: what they read of Y, plus their local block
+        got = jnp.einsum("bhrk,bhkw->bhrw", jnp.take(rd, row_at, axis=2), Y)
+        block = jnp.take(jnp.take(loc, row_at, axis=2), col_at, axis=3)  # (b, H, r, width)
+        got = got + jnp.where((col_chunk == i)[None, :], block, 0.0)
+        return jnp.where((row_chunk == i)[:, None], got, out)
+
+    def active(Y, out, x):
+        i, loc, inj, rd, P = x
+        out = jax.lax.cond(jnp.any(row_chunk == i), read, lambda i, loc, rd, Y, out: out, i, loc, rd, Y, out)
+        put = jnp.where((col_chunk == i)[None, None, None, :], jnp.take(inj, col_at, axis=3), 0.0)
+        return jnp.einsum("bhkm,bhmw->bhkw", P, Y) + put, out
 
     def body(carry, x):
-        X, out = carry
-        q_t, k_t, g_t, beta_t, t = x
-        X = X * _row_decay(g_t)  # A_t X = (I - beta_t k_t k_t^T) D_t X
-        X = (
-            X
-            - k_t[..., :, None] * beta_t[..., None, None] * jnp.einsum("bhk,bhkw->bhw", k_t, X)[..., None, :]
-        )
-        X = X + (beta_t[..., None] * k_t)[..., None] * (cols == t)[None, None, None, :]
-        row = jnp.einsum("bhk,bhkw->bhw", q_t, X)
-        out = jnp.where((rows == t)[None, None, :, None], row[:, :, None, :], out)
-        return (X, out), None
+        i = x[0]
+        on = (i >= first) & (i <= last)
+        return jax.lax.cond(on, active, lambda Y, out, x: (Y, out), *carry, x), None
 
-    X0 = jnp.zeros((b, H, dk, width), f32)
+    Y0 = jnp.zeros((b, H, dk, width), f32)
     out0 = jnp.zeros((b, H, rows.shape[0], width), f32)
-    (_, out), _ = jax.lax.scan(body, (X0, out0), xs)
+    (_, out), _ = jax.lax.scan(body, (Y0, out0), xs)
     return out

@@ -36,7 +36,9 @@ from latim_jax.parallel.context import XLA, Context
 @dataclasses.dataclass(frozen=True)
 class DeltaFactors(Factors):
     """One delta-rule sublayer's factors (fp32): q, k (b, l, H, k), g (b, l, H) or per key channel
-    (b, l, H, k), beta (b, l, H) held fixed; a (b, K, l, e)
+    (b, l, H, k), beta (b, l, H) held fixed; ``chunks`` M's per-chunk factors built from them once per
+    layer (:class:`latim_jax.kernels.delta_rule.TileFactors`: (b, n, H, ...), n = l / C chunks of C
+    positions, l (C + 2 k + k^2 / C) floats per head), which every tile of M reads; a (b, K, l, e)
     the per-source tap values (batch first, like every field); G (b, l, e) the output gate; W_out (e, d);
     bias, output, h (b, l, d); token_total (b, l, d) or None."""
 
@@ -46,6 +48,7 @@ class DeltaFactors(Factors):
     k: jax.Array
     g: jax.Array
     beta: jax.Array
+    chunks: delta_rule.TileFactors
     a: jax.Array
     G: jax.Array
     W_out: jax.Array
@@ -57,9 +60,10 @@ class DeltaFactors(Factors):
     channels_first = False
 
     def m_tile(self, rows, c0, width: int):
-        """M[rows, c0 : c0 + width] per value head, (b, H, r, width) (:func:`latim_jax.kernels.delta_rule.
-        m_tile`)."""
-        return delta_rule.m_tile(self.q, self.k, self.g, self.beta, rows, c0, width)
+        """M[rows, c0 : c0 + width] per value head, (b, H, r, width), from ``chunks``
+        (:func:`latim_jax.kernels.delta_rule.m_tile`: a few small matmuls per chunk between the tile's
+        columns and its last row)."""
+        return delta_rule.m_tile(self.chunks, rows, c0, width)
 
     def pair_values(self, rows, j0, width: int, blocks: Blocks, *, channels_first: bool = False):
         """V_{i,j} = G_i * sum_k M[i, j+k] a_k[j] for i in ``rows``, j in [j0, j0 + width): (b, r, width, e),
@@ -81,6 +85,11 @@ class DeltaFactors(Factors):
     def attention_map(self, rows, j0, width: int):
         """The hidden attention for the baseline: M averaged over the value heads, (b, r, width)."""
         return jnp.mean(self.m_tile(rows, j0, width), axis=1)
+
+
+def tile_chunk(chunk: int, length: int) -> int:
+    """The chunk of M's tile factors: the layer's forward chunk, at most the length."""
+    return max(1, min(int(chunk), length))
 
 
 def factors(
@@ -131,7 +140,8 @@ def factors(
     if with_total:  # sum_j T_i(x_j) in O(l): v_t = sum_k a_k[t - k], then the rule, the gate and W_out
         v = sum(jnp.pad(a[:, t], ((0, 0), (t, 0), (0, 0)))[:, :L] for t in range(K))
         total = linear(run(v) * G, W_out)
+    chunks = delta_rule.tile_factors(q, k, g, beta, tile_chunk(s.chunk, L))
     return DeltaFactors(
-        mode=mode, kind=block.kind, q=q, k=k, g=g, beta=beta, a=a, G=G, W_out=W_out, bias=bias,
+        mode=mode, kind=block.kind, q=q, k=k, g=g, beta=beta, chunks=chunks, a=a, G=G, W_out=W_out, bias=bias,
         output=mixer.output(inter), h=h.astype(f32), token_total=total,
     )  # fmt: skip

@@ -5,6 +5,7 @@ the logit identity, causality, padding, row subsets, generation, vmap and gradie
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -86,23 +87,75 @@ def test_the_chunked_rule_equals_the_recurrence(length, chunk, per_channel):
     assert rel_err(S, Sr) < 2e-6
 
 
+def _tile64(M, rows, c0, width):
+    """M[rows, c0 : c0 + width] of the float64 map M (b, H, l, l), zero past the end."""
+    length = M.shape[-1]
+    out = np.zeros(M.shape[:2] + (len(rows), width))
+    hi = min(length, c0 + width)
+    if hi > c0:
+        out[..., : hi - c0] = M[:, :, np.asarray(rows), c0:hi]
+    return out
+
+
 @pytest.mark.parametrize("per_channel", [False, True])
-def test_m_tiles_equal_the_product_of_the_transitions(per_channel):
-    """Rows in any order, a column tile starting mid-sequence and running past the end, beta in (0, 2)
-    (OLMo-Hybrid's negative eigenvalues), a decay per head or per key channel (KDA): M from the one-hot
-    recurrence equals its definition; M v is the rule's output."""
-    q, k, v, g, beta = _inputs(length=13, beta_scale=2.0, per_channel=per_channel)
+@pytest.mark.parametrize("chunk", [8, 16])
+def test_m_tiles_equal_the_product_of_the_transitions(per_channel, chunk):
+    """M's tiles from the per-chunk factors (one scan over chunks per tile) equal M's definition as a
+    product of the A_t in float64, for a decay per head (gdn) or per key channel (kda) and beta in (0, 2)
+    (OLMo-Hybrid's negative eigenvalues), small decays so that M reaches across many chunks: rows in any
+    order spread over chunks, repeated (the padded last row tile), the last row alone, column ranges
+    straddling chunk boundaries and running past the end (l = 131 is not a multiple of the chunk),
+    a tile above the diagonal; M v is the rule's output."""
+    q, k, v, g, beta = _inputs(b=2, length=131, heads=2, dk=16, dv=3, beta_scale=2.0, per_channel=per_channel)
+    g = 0.03 * g  # decays ~e^{-1} over the sequence: far pairs carry weight (M[129, 3] ~ 1e-4 .. 2e-3)
     M = _m64(q, k, g, beta)
-    f32 = [jnp.asarray(x, jnp.float32) for x in (q, k, g, beta)]
-    rows = jnp.array([12, 3, 7, 0])
-    tile = delta_rule.m_tile(*f32, rows, 5, 11)  # columns 5..15: 13..15 past the end
-    want = np.zeros((2, 4, 4, 11))
-    want[..., :8] = M[:, :, np.asarray(rows), 5:13]
-    np.testing.assert_allclose(tile, want, rtol=1e-5, atol=1e-6)
-    assert np.all(np.asarray(tile)[:, :, 1, 0:] == 0) and np.all(np.asarray(tile)[:, :, 3] == 0)  # causal
-    full = delta_rule.m_tile(*f32, jnp.arange(13), 0, 13)
-    o = np.einsum("bhtj,bjhv->bthv", np.asarray(full, np.float64), v)
+    assert np.abs(M[..., 129, 3]).max() > 1e-4
+    tf = delta_rule.tile_factors(*(jnp.asarray(x, jnp.float32) for x in (q, k, g, beta)), chunk)
+    cases = [
+        ([129, 3, 70], 0, 140),  # every column, 131..139 past the end
+        ([70, 129, 3], 60, 20),  # columns straddling the chunk boundaries at 64 (and 72 with chunk 8)
+        ([130], 120, 16),  # the last row alone, columns past the end
+        ([128, 129, 130, 130], 125, 6),  # a padded last row tile: its final row repeated
+        ([3, 5], 70, 12),  # above the diagonal: zeros
+        (list(range(131)), 0, 131),  # the whole map
+    ]
+    for rows, c0, width in cases:
+        tile = np.asarray(delta_rule.m_tile(tf, jnp.array(rows), c0, width))
+        want = _tile64(M, rows, c0, width)
+        np.testing.assert_allclose(tile, want, rtol=1e-4, atol=1e-6, err_msg=str((rows, c0, width)))
+        above = np.asarray(rows)[:, None] < c0 + np.arange(width)[None, :]
+        assert np.all(tile[:, :, above] == 0), (rows, c0, width)  # causal, exactly
+    o = np.einsum("bhtj,bjhv->bthv", np.asarray(tile, np.float64), v)
     assert rel_err(o, _recurrence64(q, k, v, g, beta)) < 2e-6
+
+
+def test_m_tiles_take_traced_columns_and_rows_and_a_gradient():
+    """Under jit with a traced first column and rows (as the block loop calls it), and differentiated
+    through the factors: the tile and the gradient of a weighted sum of it wrt q, k, g and beta equal
+    central differences (float32, eps 1e-3) in a random direction."""
+    q, k, _, g, beta = _inputs(b=1, length=21, heads=2, dk=4, beta_scale=2.0)
+    args = [jnp.asarray(x, jnp.float32) for x in (q, k, 0.3 * g, beta)]
+    rows, c0 = jnp.array([20, 9, 14]), 5
+    weights = jnp.asarray(np.random.default_rng(1).normal(size=(1, 2, 3, 10)), jnp.float32)
+
+    @jax.jit
+    def f(args, rows, c0):
+        return jnp.sum(weights * delta_rule.m_tile(delta_rule.tile_factors(*args, 8), rows, c0, 10))
+
+    M = _m64(*(np.asarray(x, np.float64) for x in args))
+    tile = jax.jit(lambda a, r, c: delta_rule.m_tile(delta_rule.tile_factors(*a, 8), r, c, 10))(
+        args, rows, c0
+    )
+    np.testing.assert_allclose(tile, _tile64(M, [20, 9, 14], 5, 10), rtol=1e-4, atol=1e-6)
+    grad = jax.grad(f)(args, rows, c0)
+    rng = np.random.default_rng(2)
+    direction = [jnp.asarray(rng.normal(size=x.shape), jnp.float32) for x in args]
+    eps = 1e-3
+    plus = f([x + eps * d for x, d in zip(args, direction, strict=True)], rows, c0)
+    minus = f([x - eps * d for x, d in zip(args, direction, strict=True)], rows, c0)
+    fd = (plus - minus) / (2 * eps)
+    ad = sum(jnp.sum(gr * d) for gr, d in zip(grad, direction, strict=True))
+    assert abs(float(ad) - float(fd)) < 2e-3 * max(1.0, abs(float(fd))), (ad, fd)
 
 
 def test_the_config_section_is_checked():
