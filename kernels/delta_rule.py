@@ -16,9 +16,11 @@ so with q, k, g, beta held at their forward values the output is linear in the v
     o_t = sum_{j <= t} M[t, j] v_j,   M[t, j] = beta_j q_t^T A_t A_{t-1} ... A_{j+1} k_j   (0 for j > t)
 
 one scalar per head and pair, as Mamba-2's SSD has. :func:`chunked` computes o with the UT
-transform of each chunk (the algebra of transformers' ``torch_chunk_gated_delta_rule``); :func:`m_tile`
-computes M[rows, c0 : c0 + w] by running the same recurrence over one-hot values of the w columns,
-never an l x l x k or l x l x k x v tensor.
+transform of each chunk (the algebra of transformers' ``torch_chunk_gated_delta_rule``);
+:func:`tile_factors` reads the same algebra with one-hot values as four per-chunk matrices (built once
+per layer: l (C + 2 k + k^2 / C) floats per head), from which :func:`m_tile` computes M[rows, c0 : c0 + w]
+with a few small matmuls per chunk between the tile's columns and its last row (l / C sequential steps,
+not l), never an l x l x k or l x l x k x v tensor.
 """
 
 from __future__ import annotations
