@@ -30,7 +30,9 @@ Shard k of D holds positions [k l/D, (k+1) l/D) of every prompt (l/D = m). What 
   every device, 2 D b H k^2 v flops (8.6 GFLOP per prompt for D = 64 and 32 heads of k = v = 128, whose
   summaries are 4 MiB per prompt and shard, 256 MiB gathered; a log-depth ppermute scan would move
   less at pod scale). The shard's outputs are then corrected exactly, o_t += S_in^T (A_t ... A_start)^T
-  q_t, that last factor being the identity columns' outputs of the same call.
+  q_t, that last factor being the identity columns' outputs of the same call. The work: one chunked
+  pass of width v + k (its width-bound terms twice a plain pass's for k = v) and an (m, k) x (k, v)
+  product per head, about twice the shard's plain rule, as a rerun from S_in would be.
 - Attention gathers the keys, values and the mask along the length (every device then holds the
   whole K/V) and masks causally with global positions (:mod:`latim_jax.model.attention`).
 
