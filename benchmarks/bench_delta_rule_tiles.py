@@ -19,12 +19,12 @@ Workloads (random weights, fp32, XLA path, this machine's CPU):
   chunks of 32, 64 (the layer's own) and 128.
 
 The two paths differ only in the DeltaFactors' ``m_tile``: the scan path swaps in a subclass calling the
-old scan (its own pytree type, so nothing compiled for one is reused for the other) through the kind
-registry, and XLA's caches are cleared between variants. Each cell: per path the first call (compile +
-run) and then a timed call, the paths taking turns (``--runs`` rounds; the median is reported); peak:
-the RSS high-water mark of a timed call above the RSS before it (reset through /proc/self/clear_refs).
-The CPU is shared with other work while this runs: compare the ratios, taken from calls in turn, more
-than the times.
+old scan through the kind registry. Each path of each cell runs in a process of its own (the paths
+taking turns, cell by cell): the first call (compile + run), then ``--runs`` timed calls (the median is
+reported); peak: the RSS high-water mark of a timed call above the RSS before it (reset through
+/proc/self/clear_refs). (An in-process version that switched paths with ``jax.clear_caches()`` hung
+twice in XLA:CPU's runtime, every worker idle, and inflated one cell ~13x: one process per path.) The
+CPU is shared with another job while this runs: compare the ratios more than the times.
 """
 
 from __future__ import annotations
@@ -33,7 +33,10 @@ import argparse
 import dataclasses
 import json
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -108,10 +111,9 @@ def _scan_factors(*args, **kwargs):
 
 
 def use(path: str) -> None:
-    """Route the gdn kind's factors to the scan ("scan") or chunk ("chunk") tiles; clear XLA's caches."""
+    """Route the gdn kind's factors to the scan ("scan") or chunk ("chunk") tiles (in this process)."""
     factors = _scan_factors if path == "scan" else latim_delta_rule.factors
     register(registered()["gdn"], factors=factors, replace=True)
-    jax.clear_caches()
 
 
 def _rss(field: str) -> int:
@@ -131,38 +133,61 @@ def timed(call) -> tuple[float, float]:
     return time.perf_counter() - t0, (_rss("VmHWM:") - base) / 2**30
 
 
-def side_by_side(make_call, runs: int, paths=("scan", "chunk"), setup=use) -> dict:
-    """Per path: the first call (compile + run), then its timed calls; the paths take turns, ``runs``
-    rounds (a switch clears the caches, so each round after the first compiles again, untimed)."""
-    out = {p: {"first_s": None, "times_s": [], "peaks_gib": []} for p in paths}
-    for rep in range(runs):
-        for p in paths:
-            setup(p)
-            call = make_call()
-            if rep == 0:
-                out[p]["first_s"] = timed(call)[0]
-            else:
-                jax.block_until_ready(call())  # compile again after the switch, untimed
-            t, peak = timed(call)
-            out[p]["times_s"].append(t)
-            out[p]["peaks_gib"].append(peak)
-    for p in paths:
-        out[p]["median_s"] = statistics.median(out[p]["times_s"])
-        out[p]["peak_gib"] = max(out[p]["peaks_gib"])
-    return out
+def worker(spec: dict) -> dict:
+    """One path of one cell in this process: the first call (compile + run), then ``runs`` timed calls."""
+    if spec["workload"] == "tiles":
+        cfg = latim_jax.MambaConfig(**LAYER)
+        model = latim_jax.MambaLM(cfg, init_params(cfg, 0))
+        tokens = np.random.default_rng(0).integers(0, 256, (1, spec["L"]))
+        return sampled_tiles(model, tokens, spec["n_sample"])
+    config = HYBRID if spec["workload"] == "hybrid" else LAYER
+    cfg = latim_jax.MambaConfig(**config)
+    model = latim_jax.MambaLM(cfg, init_params(cfg, 7 if spec["workload"] == "hybrid" else 0))
+    tokens = np.random.default_rng(0).integers(0, cfg.n_tokens, (1, spec["L"]))
+    path = spec["path"]
+    if isinstance(path, int):  # a tile chunk of the chunk path
+        latim_delta_rule.tile_chunk = lambda chunk, length, c=path: min(c, length)
+        path = "chunk"
+    use(path)
+    kw = {} if spec.get("rows") is None else {"rows": spec["rows"]}
+
+    def call():
+        return latim_jax.attribute(
+            model, tokens, method=spec["method"], progress=False, memory_limit=None, **kw
+        ).scores
+
+    first = timed(call)[0]
+    runs = [timed(call) for _ in range(spec["runs"])]
+    times = [t for t, _ in runs]
+    return {"first_s": first, "times_s": times, "median_s": statistics.median(times),
+            "peak_gib": max(p for _, p in runs)}  # fmt: skip
 
 
-def attribute_call(model, tokens, method, rows=None):
-    kw = {} if rows is None else {"rows": rows}
-    return lambda: (
-        latim_jax.attribute(model, tokens, method=method, progress=False, memory_limit=None, **kw).scores
-    )
+def measure(spec: dict, timeout_s: float) -> dict:
+    """:func:`worker` in a subprocess of its own (its memory its own; a stuck run is killed)."""
+    args = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
+    for attempt in range(3):  # XLA:CPU here sometimes stalls a process for good (every thread idle)
+        try:
+            proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s)
+            break
+        except subprocess.TimeoutExpired:
+            print(f"timeout after {timeout_s:.0f} s (attempt {attempt + 1}): {spec}", flush=True)
+    else:
+        return {"error": f"timeout after {timeout_s:.0f} s, 3 attempts"}
+    if proc.returncode != 0:
+        return {"error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def sampled_scan_tiles(model, tokens, n_sample: int) -> dict:
-    """One tile of the scan path (64 rows x 67 columns, as the l2 loop asks for: 64 + K - 1), jitted
-    with traced rows and first column, timed on ``n_sample`` tiles spread over the map; and the same for
-    the chunk path."""
+def side_by_side(spec: dict, paths, timeout_s: float) -> dict:
+    """Each path of the cell in its own process, the paths taking turns."""
+    return {str(p): measure({**spec, "path": p}, timeout_s) for p in paths}
+
+
+def sampled_tiles(model, tokens, n_sample: int) -> dict:
+    """One tile of each path (64 rows x 67 columns, as the l2 loop asks for: 64 + K - 1), jitted with
+    traced rows and first column, timed on ``n_sample`` row tiles against column tile 0."""
+    use("chunk")
     h = model.forward(tokens).residuals[0]
     f = layer_factors(model, h, 0)
     length = tokens.shape[1]
@@ -187,64 +212,53 @@ def sampled_scan_tiles(model, tokens, n_sample: int) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small lengths (checks the script)")
-    p.add_argument("--runs", type=int, default=1)
+    p.add_argument("--runs", type=int, default=1, help="timed calls after the first, per process")
     p.add_argument("--workloads", nargs="+", default=["layer", "hybrid", "chunk"])
     p.add_argument("--out", default="delta_rule_tiles")
+    p.add_argument("--timeout-s", type=float, default=900)
     p.add_argument(
         "--no-scan-long",
         dest="scan_long",
         action="store_false",
         help="skip the scan path's whole maps at the long length (single tiles only)",
     )
+    p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(json.loads(args.worker))))
+        return
     short, long, hybrid_len = (128, 256, 1024) if args.quick else (1024, 4096, 16384)
-    rng = np.random.default_rng(0)
-    result = {"created": now(), "machine": machine(), "quick": args.quick, "cells": []}
+    result = {"created": now(), "machine": machine(), "quick": args.quick,
+              "command": "python benchmarks/bench_delta_rule_tiles.py " + " ".join(argv or sys.argv[1:]),
+              "cells": []}  # fmt: skip
+    path = RESULTS / f"{args.out}.json"
 
-    def record(cell):
+    def record(cell):  # written after every cell, so an interrupted run keeps what it measured
         print(json.dumps(cell), flush=True)
         result["cells"].append(cell)
+        write_atomic(path, json.dumps(result, indent=2) + "\n")
+        write_atomic(path.with_suffix(".md"), table(result) + "\n")
 
-    layer_cfg = latim_jax.MambaConfig(**LAYER)
-    layer = latim_jax.MambaLM(layer_cfg, init_params(layer_cfg, 0))
+    both = ("scan", "chunk")
     if "layer" in args.workloads:
-        tokens = rng.integers(0, 256, (1, short))
-        for method in ("l2", "hidden_attention"):
-            r = side_by_side(lambda method=method: attribute_call(layer, tokens, method), args.runs)
-            record({"workload": "one gdn layer, full map", "L": short, "method": method, **r})
-        tokens = rng.integers(0, 256, (1, long))
-        for method in ("l2", "hidden_attention"):
-            r = side_by_side(
-                lambda method=method: attribute_call(layer, tokens, method), args.runs, ("chunk",)
-            )
-            record({"workload": "one gdn layer, full map", "L": long, "method": method, **r})
-        use("chunk")
-        record({"workload": "one gdn layer, single tiles", "L": long, **sampled_scan_tiles(layer, tokens, 3)})
+        for L in (short, long):
+            for method in ("l2", "hidden_attention"):
+                spec = {"workload": "layer", "L": L, "method": method, "runs": args.runs}
+                paths = both if (L == short or args.scan_long) else ("chunk",)
+                record({"workload": "one gdn layer, full map", "L": L, "method": method,
+                        **side_by_side(spec, paths, args.timeout_s)})  # fmt: skip
+        spec = {"workload": "tiles", "L": long, "n_sample": 3}
+        record({"workload": "one gdn layer, single tiles", "L": long, **measure(spec, args.timeout_s)})
     if "hybrid" in args.workloads:
-        cfg = latim_jax.MambaConfig(**HYBRID)
-        model = latim_jax.MambaLM(cfg, init_params(cfg, 7))
-        tokens = rng.integers(0, cfg.n_tokens, (1, hybrid_len))
-        r = side_by_side(lambda: attribute_call(model, tokens, "l2", rows=[-1]), args.runs)
-        record({"workload": "tiny gdn hybrid, last row", "L": hybrid_len, "method": "l2", **r})
+        spec = {"workload": "hybrid", "L": hybrid_len, "method": "l2", "rows": [-1], "runs": args.runs}
+        record({"workload": "tiny gdn hybrid, last row", "L": hybrid_len, "method": "l2",
+                **side_by_side(spec, both, args.timeout_s)})  # fmt: skip
     if "chunk" in args.workloads:
-        tokens = rng.integers(0, 256, (1, long))
-        original = latim_delta_rule.tile_chunk
-
-        def setup(c):
-            use("chunk")
-            latim_delta_rule.tile_chunk = lambda chunk, length, c=c: min(c, length)
-
-        try:
-            r = side_by_side(
-                lambda: attribute_call(layer, tokens, "hidden_attention"), args.runs, (32, 64, 128), setup
-            )
-        finally:
-            latim_delta_rule.tile_chunk = original
+        spec = {"workload": "layer", "L": long, "method": "hidden_attention", "runs": args.runs}
+        r = side_by_side(spec, (32, 64, 128), args.timeout_s)
         record({"workload": "one gdn layer, tile chunk", "L": long, "method": "hidden_attention",
                 **{f"chunk {c}": v for c, v in r.items()}})  # fmt: skip
-    use("chunk")
     result["finished"] = now()
-    path = RESULTS / f"{args.out}.json"
     write_atomic(path, json.dumps(result, indent=2) + "\n")
     write_atomic(path.with_suffix(".md"), table(result) + "\n")
     print(table(result))
@@ -291,13 +305,13 @@ def table(result: dict) -> str:
         ]
     for c in result["cells"]:
         if c["workload"] == "one gdn layer, tile chunk":
-            parts = [f"{k}: {_s(v['median_s'])} s, peak {_s(v['peak_gib'])} GiB" for k, v in c.items()
+            parts = [f"{k}: {_s(v.get('median_s'))} s, peak {_s(v.get('peak_gib'))} GiB" for k, v in c.items()
                      if k.startswith("chunk ")]  # fmt: skip
             lines += ["", f"Tile chunk, hidden attention at L = {c['L']}: " + "; ".join(parts) + "."]
     lines += [
         "",
         "Time: the median of the calls after the first (the first compiles); peak: the RSS high-water mark "
-        "of a timed call above the RSS before it. Both paths in one process, taking turns.",
+        "of a timed call above the RSS before it. Each path in a process of its own, taking turns.",
     ]
     return "\n".join(lines)
 

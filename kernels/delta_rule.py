@@ -188,7 +188,9 @@ def m_tile(factors: TileFactors, rows, c0, width: int):
     row's are skipped (a ``lax.cond``, so the scan stays reverse-differentiable), as is the read of a
     chunk holding none of the rows: a tile costs O((k^2 + r k) width) per head and chunk between its
     columns and its last row, and holds Y, the tile and one chunk's factors: O(b H (k + r) width), not
-    the l sequential one-token steps of running the recurrence over one-hot values."""
+    the l sequential one-token steps of running the recurrence over one-hot values. Differentiated, the
+    scan keeps its per-chunk residuals for the backward pass (Y and the chunk's factors of each step:
+    O(n b H k (k + width)) for the one tile being differentiated)."""
     b, n, H, C, _ = factors.local.shape
     dk = factors.carry.shape[-1]
     rows = jnp.asarray(rows, jnp.int32)
