@@ -96,6 +96,8 @@ python benchmarks/bench_gradients.py --lengths 4096 --compile-only \\
     --out benchmarks/results/gradients_130m_4096_compiled.json
 # a Nemotron-H-shaped hybrid beside Mamba-2 (last row at 4096, full map at 1024; ~12 min)
 python benchmarks/bench_hybrid.py
+# Gated DeltaNet M tiles, chunk factors against the one-hot scan per tile (~15 min; --no-scan-long ~8)
+python benchmarks/bench_delta_rule_tiles.py
 # grad_input before / after the gathered target logits (one process, values compared)
 python benchmarks/bench_grad_input.py
 # the collectives of a model-parallel forward / attribute / gradient per layer, and a 7B pod estimate
@@ -113,6 +115,7 @@ python benchmarks/gpu_check.py
 # the newest run of each measurement, in the order BENCHMARKS.md shows them
 CURRENT = (
     "hybrid",  # a Nemotron-H-shaped hybrid beside plain Mamba-2 of the same width (issue 25)
+    "delta_rule_tiles",  # Gated DeltaNet M tiles: per-chunk factors against the one-hot scan (issue 42)
     "collectives",  # what a model-parallel run moves per layer, and a 7B pod estimate (issue 26)
     "gradients_m2_130m_1024_tangent",  # Mamba-2, 16-row tiles under differentiation, 130m, L = 1024
     "gradients_m2_130m_1024_unsplit",  # the same code with the unsplit tiles (--tangent-rows 64)
