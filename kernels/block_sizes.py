@@ -14,6 +14,9 @@ kernels/fused_scores.py):
 - ``e``: the fused kernel's channels per step (TPU: the "arbitrary" e-chunk axis; GPU Mamba-1: the
   channel chunk of the in-kernel loop).
 - ``m1_tangent_rows``: the same passes' rows under differentiation (at most ``m1_direct_rows``).
+- ``m1_state_group``: states per step of the direct form's backward (:func:`latim_jax.kernels.decay.
+  m1_state_sum`: the backward holds one group's exponential blocks; 2 for a 130m layer's gradient at
+  L = 1024: 230 -> 217 MiB of temporaries against 4, where 1 gains nothing more).
 - ``m1_direct_rows``: target rows per pass of the XLA path's Mamba-1 direct form (bounds its backward's
   temporaries); ``m1_few_rows``: a row tile of at most this many rows takes the direct form on every
   tile (a few rows: cheaper than transposing the far tiles' factored operand).
@@ -50,7 +53,8 @@ from latim_jax.parallel.chips import PLATFORMS as PLATFORMS  # re-exported: the 
 from latim_jax.parallel.chips import normalize_platform
 
 _FIELDS = (
-    "rows", "cols", "d", "e", "m1_direct_rows", "m1_tangent_rows", "m1_few_rows", "tangent_rows",
+    "rows", "cols", "d", "e", "m1_direct_rows", "m1_tangent_rows", "m1_state_group", "m1_few_rows",
+    "tangent_rows",
     "scan_block_l", "scan_block_e", "ssd_chunk", "ssd_block_p", "num_warps_scan", "num_warps_ssd",
     "num_warps_scores", "vmem_limit_bytes",
 )  # fmt: skip
@@ -66,6 +70,7 @@ class Blocks:
     e: int | None = None
     m1_direct_rows: int | None = None
     m1_tangent_rows: int | None = None
+    m1_state_group: int | None = None
     m1_few_rows: int | None = None
     tangent_rows: int | None = None
     scan_block_l: int | None = None
@@ -124,8 +129,9 @@ class Blocks:
         cap = max(8, 1 << (max(length, 1) - 1).bit_length())
         size = min(size, cap)
         fixed = dict(
-            m1_direct_rows=32, m1_tangent_rows=16, m1_few_rows=4, tangent_rows=16 if version == 2 else None
-        )
+            m1_direct_rows=32, m1_tangent_rows=16, m1_state_group=2, m1_few_rows=4,
+            tangent_rows=16 if version == 2 else None,
+        )  # fmt: skip
         if n_rows is None or n_rows >= size:
             return cls(rows=size, cols=size, **fixed)
         rows = 1 << (max(n_rows, 1) - 1).bit_length()

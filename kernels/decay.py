@@ -163,7 +163,9 @@ def is_far(rows, cols):
     return jnp.max(cols) < jnp.min(rows)
 
 
-def decay_tile(ssm: SSM, rows, cols, *, with_D=True, direct=False, direct_rows=32, tangent_rows=16):
+def decay_tile(
+    ssm: SSM, rows, cols, *, with_D=True, direct=False, direct_rows=32, tangent_rows=16, state_group=2
+):  # fmt: skip
     """M_{i,t} for i in ``rows``, t in ``cols`` (index arrays; cols may run past the end: zero there):
     (b, r, q, c).
 
@@ -176,7 +178,9 @@ def decay_tile(ssm: SSM, rows, cols, *, with_D=True, direct=False, direct_rows=3
     if ssm.version == 1:
         if direct:
             safe = jnp.minimum(cols, length - 1)
-            return m1_direct_tile(ssm, rows, safe, rows, cols, length, with_D, direct_rows, tangent_rows)
+            return m1_direct_tile(
+                ssm, rows, safe, rows, cols, length, with_D, direct_rows, tangent_rows, state_group
+            )
         return m1_far_or_near(
             ssm,
             rows,
@@ -186,6 +190,7 @@ def decay_tile(ssm: SSM, rows, cols, *, with_D=True, direct=False, direct_rows=3
             with_D=with_D,
             direct_rows=direct_rows,
             tangent_rows=tangent_rows,
+            state_group=state_group,
         )
     return m2_far_or_near(ssm, rows, cols, lambda M: M, with_D=with_D)
 
@@ -243,7 +248,8 @@ def m2_direct_tile(ssm: SSM, ir, ic, rows, cols, length: int, *, with_D: bool, f
 
 
 def m1_far_or_near(
-    ssm: SSM, rows, cols, far, near, *args, with_D: bool, direct_rows: int = 32, tangent_rows: int = 16
+    ssm: SSM, rows, cols, far, near, *args, with_D: bool, direct_rows: int = 32, tangent_rows: int = 16,
+    state_group: int = 2,
 ):  # fmt: skip
     """A Mamba-1 tile, split: ``far(P, Q, *args)`` when it is far (:func:`is_far`; P, Q its
     :func:`far_factors`), else ``near(M, *args)`` with M the tile's direct form (:func:`m1_direct_tile`,
@@ -269,7 +275,7 @@ def m1_far_or_near(
             is_far(rows, cols),
             lambda local: jnp.zeros((*P.shape[:2], Q.shape[1], P.shape[2]), f32),
             lambda local: m1_direct_tile(
-                local, ir, ic, rows, cols, length, with_D, direct_rows, tangent_rows
+                local, ir, ic, rows, cols, length, with_D, direct_rows, tangent_rows, state_group
             ),
             local,
         )
@@ -279,7 +285,8 @@ def m1_far_or_near(
 
 
 def m1_direct_tile(
-    ssm: SSM, ir, ic, rows, cols, length: int, with_D: bool, direct_rows: int, tangent_rows: int = 16
+    ssm: SSM, ir, ic, rows, cols, length: int, with_D: bool, direct_rows: int, tangent_rows: int = 16,
+    state_group: int = 2,
 ):  # fmt: skip
     """The Mamba-1 direct form of M (b, r, q, e) for target positions ``rows`` (r,) and source positions
     ``cols`` (q,) of a sequence of ``length``, reading ``ssm``'s arrays at indices ``ir`` (the rows) and
@@ -287,11 +294,11 @@ def m1_direct_tile(
     ``arange`` offsets into an SSM taken at the tile's positions (:meth:`SSM.take`). Its r q e n
     exponentials run in passes of ``direct_rows`` rows (``tangent_rows`` under differentiation),
     rematerialised under differentiation (they are n times the tile's size), and a pass's backward
-    takes its states a group at a time (:func:`m1_state_sum`)."""
+    takes its states ``state_group`` at a time (:func:`m1_state_sum`)."""
     causal = causal_mask(rows, cols, length)  # (r, q)
     dt = ssm.delta[:, ic].astype(f32)[:, None]  # (b, 1, q, e)
     M = jax.checkpoint(
-        lambda ssm, causal, dt: _m1_direct(ssm, ir, ic, causal, dt, direct_rows, tangent_rows)
+        lambda ssm, causal, dt: _m1_direct(ssm, ir, ic, causal, dt, direct_rows, tangent_rows, state_group)
     )(ssm, causal, dt)
     if with_D:
         diag = (rows[:, None] == cols[None, :])[None, :, :, None]  # (1, r, q, 1)
@@ -299,8 +306,8 @@ def m1_direct_tile(
     return M
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(5, 6))
-def _m1_direct(ssm: SSM, rows, cols, causal, dt, direct_rows: int, tangent_rows: int):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(5, 6, 7))
+def _m1_direct(ssm: SSM, rows, cols, causal, dt, direct_rows: int, tangent_rows: int, state_group: int):
     """The Mamba-1 direct form (b, r, q, e), in passes of ``direct_rows`` target rows when r is a larger
     multiple of it (each pass rematerialised: the backward of one pass holds a (pass, q, e, n) block of
     exponentials, so a 64-row tile costs the backward what a 32-row tile did).
@@ -308,22 +315,23 @@ def _m1_direct(ssm: SSM, rows, cols, causal, dt, direct_rows: int, tangent_rows:
     Differentiated, the passes take at most ``tangent_rows`` (``Blocks.m1_tangent_rows``) rows: a 130m
     Mamba-1 layer's l2 gradient at L = 1024 then holds 211 MiB of temporaries instead of 217 at the same
     speed, where 16-row passes in the forward cost it ~4% (its 32-row default stays)."""
-    return _m1_passes(ssm, rows, cols, causal, dt, direct_rows)
+    return _m1_passes(ssm, rows, cols, causal, dt, direct_rows, state_group)
 
 
 @_m1_direct.defjvp
-def _m1_direct_jvp(direct_rows, tangent_rows, primals, tangents):
+def _m1_direct_jvp(direct_rows, tangent_rows, state_group, primals, tangents):
     rows = min(direct_rows, tangent_rows)
-    return jax.jvp(lambda *args: _m1_passes(*args, rows), primals, tangents)
+    return jax.jvp(lambda *args: _m1_passes(*args, rows, state_group), primals, tangents)
 
 
-def _m1_passes(ssm: SSM, rows, cols, causal, dt, direct_rows: int):
+def _m1_passes(ssm: SSM, rows, cols, causal, dt, direct_rows: int, state_group: int):
     """:func:`_m1_direct`'s value, in passes of ``direct_rows``."""
     r = rows.shape[0]
 
     def one(rows, causal):
         cb = bmul(ssm.C[:, rows][:, :, None, :], ssm.B[:, cols][:, None, :, :])  # (b, r, q, n)
-        return m1_state_sum(cb, ssm.A, segment_sum(ssm.decay, rows, cols), dt, causal[None, :, :, None])
+        seg = segment_sum(ssm.decay, rows, cols)
+        return m1_state_sum(cb, ssm.A, seg, dt, causal[None, :, :, None], state_group)
 
     if r <= direct_rows or r % direct_rows:
         return one(rows, causal)
@@ -335,9 +343,6 @@ def _m1_passes(ssm: SSM, rows, cols, causal, dt, direct_rows: int):
     return passes.reshape(passes.shape[0], r, *passes.shape[3:])
 
 
-STATE_GROUP = 2  # states per pass of the direct form's backward (see m1_state_sum)
-
-
 def _state_sum(cb, A, seg, dt, causal):
     """:func:`m1_entry` over the states of cb (b, r, q, n) and A (e, n) (n = all, or one group)."""
     n = A.shape[1]
@@ -346,12 +351,13 @@ def _state_sum(cb, A, seg, dt, causal):
     )
 
 
-@jax.custom_jvp
-def m1_state_sum(cb, A, seg, dt, causal):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(5,))
+def m1_state_sum(cb, A, seg, dt, causal, group: int = 2):
     """The direct form's :func:`m1_entry` for cb (b, r, q, n) = C_i[n] B_t[n], A (e, n), seg (b, r, q, e),
     dt (b, 1, q, e) and causal (1, r, q, 1): the n terms in one fused pass, as before.
 
-    Its tangent takes the states in groups of :data:`STATE_GROUP`, in a scan whose step is
+    Its tangent takes the states in groups of ``group`` (``Blocks.m1_state_group``; all n at once when
+    n is not a multiple of it), in a scan whose step is
     rematerialised: the transpose of the plain sum held all n exponential blocks exp(A[:, n] seg) of
     the pass at once (16 x (32, 35, e) fp32 for a 130m Mamba-1 near tile, ~105 MiB of its gradient's
     341 MiB of temporaries at L = 1024), the scan's holds one group's (4: 263 MiB; 2 once the taps'
@@ -362,11 +368,11 @@ def m1_state_sum(cb, A, seg, dt, causal):
 
 
 @m1_state_sum.defjvp
-def _m1_state_sum_jvp(primals, tangents):
+def _m1_state_sum_jvp(size, primals, tangents):
     cb, A, seg, dt, causal = primals
     dcb, dA, dseg, ddt, _ = tangents
     n = A.shape[1]
-    g = STATE_GROUP if n % STATE_GROUP == 0 else n
+    g = size if n % size == 0 else n
 
     @jax.checkpoint
     def group(acc, xs):
@@ -379,7 +385,7 @@ def _m1_state_sum_jvp(primals, tangents):
 
     zero = jnp.zeros(jnp.broadcast_shapes(seg.shape, dt.shape), f32)
     tangent, _ = jax.lax.scan(group, zero, (grouped(cb), grouped(A), grouped(dcb), grouped(dA)))
-    return m1_state_sum(cb, A, seg, dt, causal), tangent
+    return m1_state_sum(cb, A, seg, dt, causal, size), tangent
 
 
 def far_factors(ssm: SSM, rows, cols):

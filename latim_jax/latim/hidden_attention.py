@@ -31,7 +31,7 @@ def _tile(ssm: SSM, rows, j0, blocks: Blocks):
     """M without D for target rows ``rows`` and sources [j0, j0 + cols): (b, r, cols, c)."""
     return decay_tile(
         ssm, rows, j0 + jnp.arange(blocks.cols), with_D=False, direct_rows=blocks.m1_direct_rows,
-        tangent_rows=blocks.m1_tangent_rows,
+        tangent_rows=blocks.m1_tangent_rows, state_group=blocks.m1_state_group,
     )  # fmt: skip
 
 
@@ -46,7 +46,7 @@ def _m1_mean(ssm: SSM, rows, j0, blocks: Blocks):
 
     return m1_far_or_near(
         ssm, rows, cols, far_mean, near, with_D=False, direct_rows=blocks.m1_direct_rows,
-        tangent_rows=blocks.m1_tangent_rows,
+        tangent_rows=blocks.m1_tangent_rows, state_group=blocks.m1_state_group,
     )  # fmt: skip
 
 

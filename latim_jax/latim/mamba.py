@@ -257,7 +257,7 @@ def _tap_sum_jvp(primals, tangents):
     # 256 MiB; 247 with the far tiles' Q treated alike). The K terms run as a scan, one tap per step:
     # transposed, each term's dot_generals read a transposed copy of its window of the cotangent, and
     # written as K terms of one sum XLA held all K copies at once (4 x (32, 35, e) for a 130m near
-    # tile); the scan's step holds one (same layer: 241 -> 230 MiB, 217 with STATE_GROUP 2).
+    # tile); the scan's step holds one (same layer: 241 -> 230 MiB, 217 with Blocks.m1_state_group = 2).
     wa = jnp.stack([in_window(a[k], k, K) for k in range(K)])
     wda = jnp.stack([in_window(da[k], k, K) for k in range(K)])
 
@@ -303,7 +303,11 @@ def _m1_tapped(f: MambaFactors, rows, cols, a, blocks: Blocks):
     def tapped(M, a):  # M (b, r, q, e) -> sum_k M_{i,j+k} a_k[j], channels first (e as heads of 1 channel)
         return jnp.moveaxis(tap_sum(M, a[..., None])[..., 0], 3, 1)
 
-    passes = dict(direct_rows=blocks.m1_direct_rows, tangent_rows=blocks.m1_tangent_rows)
+    passes = dict(
+        direct_rows=blocks.m1_direct_rows,
+        tangent_rows=blocks.m1_tangent_rows,
+        state_group=blocks.m1_state_group,
+    )
     if rows.shape[0] <= blocks.m1_few_rows:
         return tapped(decay_tile(ssm, rows, cols, direct=True, **passes), a)
     return m1_far_or_near(ssm, rows, cols, far_tapped, tapped, a, with_D=True, **passes)

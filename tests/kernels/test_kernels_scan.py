@@ -358,7 +358,13 @@ def test_block_sizes():
     mine = Blocks(rows=3, scan_block_e=64).over(tpu)
     assert (mine.rows, mine.scan_block_e, mine.cols, mine.ssd_chunk) == (3, 64, tpu.cols, tpu.ssd_chunk)
     assert Blocks.for_layer(2, 4096) == Blocks(
-        rows=64, cols=64, m1_direct_rows=32, m1_tangent_rows=16, m1_few_rows=4, tangent_rows=16
+        rows=64,
+        cols=64,
+        m1_direct_rows=32,
+        m1_tangent_rows=16,
+        m1_state_group=2,
+        m1_few_rows=4,
+        tangent_rows=16,
     )
     assert Blocks.for_layer(1, 4096).tangent_rows is None
     one_row = Blocks.for_layer(1, 4096, n_rows=1)

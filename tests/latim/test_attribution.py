@@ -486,7 +486,7 @@ def test_mamba1_direct_form_takes_fewer_rows_per_pass_when_differentiated(monkey
     """Differentiated, the direct form runs in passes of at most Blocks.m1_tangent_rows rows (4 here) while
     an undifferentiated call keeps Blocks.m1_direct_rows (12): the scores and the gradient equal those of
     one 24-row pass, and each path took the pass size it should (a rule that ignored m1_tangent_rows, or a
-    forward that took it, fails the recorded sizes)."""
+    forward that took it, fails the recorded sizes). The state sum inside took Blocks.m1_state_group."""
     import latim_jax.kernels.decay as decay
     from latim_jax.latim.kinds import layer_factors
     from latim_jax.latim.scores import layer_scores
@@ -507,13 +507,16 @@ def test_mamba1_direct_form_takes_fewer_rows_per_pass_when_differentiated(monkey
     sizes = []
     passes = decay._m1_passes
     monkeypatch.setattr(decay, "_m1_passes", lambda *a: sizes.append(a[5]) or passes(*a))
-    split = Blocks(rows=24, cols=24, m1_direct_rows=12, m1_tangent_rows=4)
+    groups, state_sum = [], decay.m1_state_sum
+    monkeypatch.setattr(decay, "m1_state_sum", lambda *a: groups.append(a[5]) or state_sum(*a))
+    split = Blocks(rows=24, cols=24, m1_direct_rows=12, m1_tangent_rows=4, m1_state_group=1)
     got_s = scores(h, split)
     assert set(sizes) == {12} and rel(got_s, want_s) < TOL["fp32"]
     sizes.clear()
     got = jax.grad(loss)(h, split)
     # the tangent's passes ran at 4 rows (the forward pass under a checkpoint may take the primal's 12)
     assert 4 in sizes and rel(got, want) < 1e-4
+    assert set(groups) == {1}
 
 
 @pytest.mark.parametrize("name, static", [("m2", True), ("m1", False)])

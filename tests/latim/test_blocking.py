@@ -196,13 +196,15 @@ def test_bmul_differentiates_as_the_plain_product_through_contractions(x_shape, 
     assert jaxprs[0].count("reduce_sum") < jaxprs[1].count("reduce_sum")  # the loss's own sum stays
 
 
-@pytest.mark.parametrize("n", [8, 6])  # two groups of 4 states; 6: not a multiple of the group, one pass
-def test_direct_form_state_sum_differentiates_as_the_plain_sum(n):
+# (states, group): two groups of 4; four of 2; 6 states, not a multiple of 4: one pass
+@pytest.mark.parametrize("n,group", [(8, 4), (8, 2), (6, 4)])
+def test_direct_form_state_sum_differentiates_as_the_plain_sum(n, group):
     """m1_state_sum (kernels/decay.py: the Mamba-1 direct form's n-sum, whose tangent runs in
-    rematerialised groups of states) has the values, jvp, vjp and Hessian-vector products of the plain
-    sum over n of C_i B_t[n] exp(A[:, n] seg), masked and times Delta, differentiated by jax; and its
-    backward holds one group's exponential blocks: the gradient's jaxpr has a scan over n / 4 groups."""
-    from latim_jax.kernels.decay import STATE_GROUP, m1_state_sum
+    rematerialised groups of ``Blocks.m1_state_group`` states) has the values, jvp, vjp and
+    Hessian-vector products of the plain sum over n of C_i B_t[n] exp(A[:, n] seg), masked and times
+    Delta, differentiated by jax; and its backward holds one group's exponential blocks: the gradient's
+    jaxpr has a scan over n / group groups."""
+    from latim_jax.kernels.decay import m1_state_sum
 
     k = jax.random.split(jax.random.key(3), 8)
     b, r, q, e = 2, 3, 5, 6
@@ -217,7 +219,7 @@ def test_direct_form_state_sum_differentiates_as_the_plain_sum(n):
         return jnp.where(causal, s, 0.0) * dt
 
     def fast(cb, A, seg, dt):
-        return m1_state_sum(cb, A, seg, dt, causal)
+        return m1_state_sum(cb, A, seg, dt, causal, group)
 
     args = (cb, A, seg, dt)
     np.testing.assert_allclose(fast(*args), plain(*args), rtol=1e-5, atol=1e-6)
@@ -234,7 +236,7 @@ def test_direct_form_state_sum_differentiates_as_the_plain_sum(n):
     hvp = [jax.jvp(jax.grad(loss(f), argnums), args, t)[1] for f in (fast, plain)]
     for hf, hp in zip(*hvp, strict=True):
         np.testing.assert_allclose(hf, hp, rtol=1e-4, atol=1e-4)
-    groups = n // STATE_GROUP if n % STATE_GROUP == 0 else 1
+    groups = n // group if n % group == 0 else 1
     lengths = _scan_lengths(jax.grad(loss(fast), argnums), *args)
     assert groups in lengths, lengths
 
