@@ -10,6 +10,8 @@ import re
 import shlex
 from pathlib import Path
 
+import pytest
+
 from latim_jax.io.loading import SHIPPED
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,21 +88,26 @@ def test_guide_says_padded_prompts_equal_the_prompt_alone_to_float_rounding():
     assert "float rounding" in dataset
 
 
-def test_guide_says_text_refuses_unknown_words_even_with_an_unknown_token():
-    """vocab.encode refuses a word outside a word-level vocabulary whatever its unk_token (so that no
-    word silently becomes a placeholder); the guide says so and names --tokens for the unknown id."""
+def test_guide_says_what_text_does_with_unknown_words():
+    """vocab.encode maps a word outside a word-level vocabulary to its unknown token with a warning
+    naming the word, and refuses it by name where the vocabulary has none; the guide says both."""
+    import warnings
+
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     from latim_jax.tasks import vocab
 
-    tok = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1, "b": 2}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    assert tok.encode("a zz b").ids == [1, 0, 2]  # what the tokenizer alone would do
-    try:
-        vocab._encode(tok, "a zz b")
-    except ValueError as err:
-        assert "['zz']" in str(err)
-    else:
-        raise AssertionError("--text accepted an unknown word: update docs/guide.md's --text note")
+    def tokenizer(words):
+        tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        return tok
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert vocab._encode(tokenizer(["<unk>", "a", "b"]), "a zz b <unk>").ids == [1, 0, 2, 0]
+    assert [type(w.message) for w in caught] == [vocab.UnknownWordsWarning]
+    assert caught[0].message.words == ["zz"] and "'<unk>'" in str(caught[0].message)
+    with pytest.raises(ValueError, match=r"\['zz'\]"):
+        vocab._encode(tokenizer(["a", "b"]), "a zz b")  # no <unk> in the vocabulary
     prompt = next(b for b in GUIDE.split("\n- ") if b.startswith("The prompt: `--text`"))
-    assert "`<unk>`" in prompt and "--tokens" in prompt.split("`<unk>`", 1)[1], prompt
+    assert "`<unk>`" in prompt and "`note:`" in prompt and "refuses" in prompt, prompt

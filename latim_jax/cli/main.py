@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import sys
+import warnings
 from argparse import RawDescriptionHelpFormatter
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -82,11 +83,20 @@ CHECK_TOLERANCE = 1e-4
 
 
 def tokenize(model, text: str) -> tuple[list[int], list[str]]:
-    """Token ids and labels for ``text``: the checkpoint's tokenizer.json, or its task's words."""
+    """Token ids and labels for ``text``: the checkpoint's tokenizer.json, or its task's words. Words
+    the tokenizer encoded as its unknown token are named in a note on standard error."""
     try:
-        return vocab.encode(model, text)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", vocab.UnknownWordsWarning)
+            encoded = vocab.encode(model, text)
     except ValueError as err:
         raise UsageError(str(err)) from err
+    for w in caught:
+        if issubclass(w.category, vocab.UnknownWordsWarning):
+            print(f"note: {w.message}", file=sys.stderr)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return encoded
 
 
 def token_labels(model, ids) -> list[str]:

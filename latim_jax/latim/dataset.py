@@ -100,7 +100,9 @@ def read_prompts(
 ) -> list[Prompt]:
     """Read prompts from ``path`` (see the module docstring). ``tokenize(text) -> list[int]`` turns
     text into ids (None: text lines are an error naming the missing tokenizer). ``warn(message)`` is
-    called for each skipped line (``on_bad_line="skip"``). With ``on_bad_line="fail"`` every line is
+    called for each skipped line (``on_bad_line="skip"``) and for each warning the tokenizer gave on a
+    line it read (words it encoded as its unknown token), the line named (without ``warn`` the latter
+    are re-issued as warnings). With ``on_bad_line="fail"`` every line is
     read, then one :class:`DatasetError` names every bad line (its ``bad_lines`` holds them all; the
     message the first :data:`MAX_REPORTED`)."""
     if on_bad_line not in ("skip", "fail"):
@@ -114,10 +116,17 @@ def read_prompts(
     with path.open(encoding="utf-8") as fh:
         for number, raw in enumerate(fh, start=1):
             try:
-                prompt, given = _parse_line(raw, number, jsonl, tokenize, vocab_size, max_length)
+                with warnings.catch_warnings(record=True) as caught:  # the tokenizer's, per line
+                    warnings.simplefilter("always")
+                    prompt, given = _parse_line(raw, number, jsonl, tokenize, vocab_size, max_length)
                 _check_new_id(prompt.id, given, seen)
                 seen[prompt.id] = (given, number)
                 prompts.append(prompt)
+                for w in caught:  # e.g. words the tokenizer encoded as its unknown token
+                    if warn is not None:
+                        warn(f"{path}:{number}: {w.message}")
+                    else:
+                        warnings.warn(f"{path}:{number}: {w.message}", w.category, stacklevel=2)
             except DatasetError as err:
                 bad.append((number, str(err)))
                 if on_bad_line == "skip" and warn is not None:

@@ -9,6 +9,7 @@ whitespace only (tokenizers' WhitespaceSplit pre-tokenizer), so words such as ``
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 from latim_jax.io.atomic import write_bytes_atomic
@@ -20,6 +21,19 @@ TOKENIZER_FILE = "tokenizer.json"
 
 class TokenizerError(ValueError):
     """A tokenizer.json that the tokenizers library cannot read (the message names the file)."""
+
+
+class UnknownWordsWarning(UserWarning):
+    """Words outside a word-level vocabulary that the tokenizer encoded as its unknown token (the
+    message names them and the token); ``words`` holds them all, ``unk`` the token."""
+
+    def __init__(self, words: list[str], unk: str):
+        shown = words[:5] + (["..."] if len(words) > 5 else [])
+        super().__init__(
+            f"{len(words)} word(s) outside the vocabulary became {unk!r}: {shown} (the map attributes "
+            "to that placeholder; separate words by spaces)"
+        )
+        self.words, self.unk = words, unk
 
 
 def task_words(task: dict, vocab_size: int | None = None) -> list[str]:
@@ -95,8 +109,9 @@ def describe(
 
 def encode(model, text: str) -> tuple[list[int], list[str]]:
     """Token ids and their words for ``text``. Raises ValueError when the model has no tokenizer (and
-    no task vocabulary) or when a word is not in a word-level vocabulary, naming it and showing the
-    vocabulary."""
+    no task vocabulary) or when a word is not in a word-level vocabulary that has no unknown token,
+    naming it and showing the vocabulary. Where the vocabulary has one (``<unk>``), unknown words
+    become it with an :class:`UnknownWordsWarning` naming them."""
     tok = load_tokenizer(model)
     enc = encoding(model, text)
     return list(enc.ids), [_label(tok, i, t) for i, t in zip(enc.ids, enc.tokens, strict=True)]
@@ -132,7 +147,8 @@ def _label(tok, i: int, token: str | None) -> str:
 
 def encoder(model):
     """``text -> ids`` with the model's tokenizer (None when it has none); ValueError for a text it
-    cannot encode (unknown words of a word-level vocabulary named)."""
+    cannot encode (unknown words of a word-level vocabulary without an unknown token named), an
+    :class:`UnknownWordsWarning` for words it encoded as its unknown token."""
     tok = load_tokenizer(model)
     if tok is None:
         return None
@@ -140,14 +156,32 @@ def encoder(model):
 
 
 def _encode(tok, text: str):
-    if _is_word_level(tok):
-        unknown = [w for w in text.split() if tok.token_to_id(w) is None]
+    """``tok.encode(text)``; for a word-level vocabulary, words outside it are refused by name unless
+    the vocabulary holds the model's unknown token, which they then become, with a warning naming
+    them (never silently)."""
+    unk = unknown_token(tok) if _is_word_level(tok) else None
+    if _is_word_level(tok) and unk is None:
+        unknown = [w for w in _words(tok, text) if tok.token_to_id(w) is None]
         if unknown:
             raise ValueError(f"unknown word(s) {unknown[:5]}; separate words by spaces")
     try:
-        return tok.encode(text)
+        enc = tok.encode(text)
     except Exception as err:  # tokenizers raises a bare Exception
         raise ValueError(f"the tokenizer cannot encode this text ({' '.join(str(err).split())})") from None
+    if unk is not None:
+        unk_id = tok.token_to_id(unk)
+        spans = [text[a:b] for i, (a, b) in zip(enc.ids, enc.offsets, strict=True) if i == unk_id]
+        unknown = [w for w in spans if w != unk]  # the text's own "<unk>" is not an unknown word
+        if unknown:
+            warnings.warn(UnknownWordsWarning(unknown, unk), stacklevel=3)
+    return enc
+
+
+def _words(tok, text: str) -> list[str]:
+    """The words the tokenizer's pre-tokenizer splits ``text`` into (whitespace without one)."""
+    if tok.pre_tokenizer is None:
+        return text.split()
+    return [w for w, _ in tok.pre_tokenizer.pre_tokenize_str(text)]
 
 
 def labels(model, ids) -> list[str]:
@@ -156,6 +190,13 @@ def labels(model, ids) -> list[str]:
     if tok is None:
         return [str(int(i)) for i in ids]
     return [_label(tok, i, tok.id_to_token(int(i))) for i in ids]
+
+
+def unknown_token(tok) -> str | None:
+    """A word-level tokenizer's unknown token when its vocabulary holds it (else None: an unknown
+    word cannot be encoded)."""
+    unk = getattr(tok.model, "unk_token", None)
+    return unk if unk and tok.token_to_id(unk) is not None else None
 
 
 def _is_word_level(tok) -> bool:

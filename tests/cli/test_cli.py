@@ -165,6 +165,23 @@ def test_text_with_unknown_words_explains_the_vocabulary(here, capsys):
     assert "no tokenizer.json" in capsys.readouterr().err
 
 
+def test_text_with_unknown_words_becomes_unk_with_a_note_where_the_vocabulary_has_one(here, capsys):
+    """The "with" tokenizer declares <unk> (id 0): an unknown word becomes it, named in one note; a
+    dataset line says which line it was."""
+    argv = ["attribute", "--model", "with", "--text", "the zebra sat okapi", "--out", "u.npz"]
+    assert main(argv + ["--method", "l2"]) == 0
+    err = capsys.readouterr().err
+    notes = [line for line in err.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "2 word(s)" in notes[0] and "['zebra', 'okapi']" in notes[0], err
+    np.testing.assert_array_equal(np.asarray(latim_jax.Attribution.load("u.npz").tokens[0]), [1, 0, 3, 0])
+    (here / "p.txt").write_text("the cat sat\nthe gnu sat\n")
+    argv = ["attribute-dataset", "--model", "with", "--input", "p.txt", "--out", "r", "--quiet"]
+    assert main(argv + ["--method", "l2"]) == 0
+    err = capsys.readouterr().err
+    assert "p.txt:2:" in err and "['gnu']" in err and "p.txt:1" not in err, err
+    np.testing.assert_array_equal(np.asarray(latim_jax.open_results("r")["2"].tokens), [[1, 0, 3]])
+
+
 def test_plot_format_follows_the_extension(here):
     argv = ["attribute", "--model", "without", "--tokens", "1 2 3 4"]
     assert main(argv + ["--out", "a.npz", "--plot", "a.jpg"]) == 0
