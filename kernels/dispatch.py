@@ -18,6 +18,10 @@ returns the same pytree.
   (benchmarks/results/sequence_axis.md). The final state returned is the whole length's (the same
   on every "seq" shard).
 
+:func:`delta_rule_m_tile` picks, the same way, between the delta rule's M tiles by an XLA scan over chunks
+(:func:`latim_jax.kernels.delta_rule.m_tile`) and the Pallas kernel of kernels/delta_rule_tiles.py; it
+takes no mesh (the score stage calls it per device, inside its own shard_map).
+
 ``block_sizes`` (a :class:`~latim_jax.kernels.block_sizes.Blocks`) tunes the Pallas tiles; None fields
 take ``Blocks.for_platform``'s. Both Pallas paths accept ``initial_state`` in the kernel and are
 differentiable through Pallas backward kernels (reverse mode, any order; forward mode needs the XLA
@@ -32,6 +36,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from latim_jax.kernels import delta_rule
+from latim_jax.kernels.delta_rule_tiles import m_tile_pallas
 from latim_jax.kernels.selective_scan import (
     selective_scan_pallas,
     selective_scan_reference,
@@ -144,6 +150,17 @@ def ssd(
         args.append(initial_state)
     out = (heads, P(data, model, None, None))
     return jax.shard_map(local, mesh=ctx.mesh, in_specs=tuple(specs), out_specs=out, check_vma=False)(*args)
+
+
+def delta_rule_m_tile(factors, rows, c0, width: int, *, ctx: Context = XLA, block_sizes=None):
+    """The delta rule's hidden attention M[rows, c0 : c0 + width] per head, (b, H, r, width), from the
+    layer's :class:`~latim_jax.kernels.delta_rule.TileFactors`: the XLA scan over chunks, or with
+    ``ctx.kernels`` the Pallas kernel built for ``ctx``'s target (interpret mode on CPU; on TPU its
+    chip's VMEM, or ``block_sizes.vmem_limit_bytes``). See kernels/delta_rule_tiles.py."""
+    if not ctx.kernels:
+        return delta_rule.m_tile(factors, rows, c0, width)
+    limit = None if block_sizes is None else block_sizes.vmem_limit_bytes
+    return m_tile_pallas(factors, rows, c0, width, vmem_limit_bytes=limit, **ctx.kernel_target())
 
 
 def selective_scan_step(state, u, delta, A, B, C, D):

@@ -24,7 +24,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from latim_jax.kernels import delta_rule, f32
+from latim_jax.kernels import delta_rule, dispatch, f32
 from latim_jax.kernels.block_sizes import Blocks
 from latim_jax.latim.factors import Factors
 from latim_jax.latim.mamba import check_mode
@@ -40,7 +40,9 @@ class DeltaFactors(Factors):
     layer (:class:`latim_jax.kernels.delta_rule.TileFactors`: (b, n, H, ...), n = l / C chunks of C
     positions, l (C + 2 k + k^2 / C) floats per head), which every tile of M reads; a (b, K, l, e)
     the per-source tap values (batch first, like every field); G (b, l, e) the output gate; W_out (e, d);
-    bias, output, h (b, l, d); token_total (b, l, d) or None."""
+    bias, output, h (b, l, d); token_total (b, l, d) or None; ``ctx`` the execution context the tiles of
+    M run in (without its mesh: the score stage runs them per device), which picks the XLA scan or the
+    Pallas kernel (:func:`latim_jax.kernels.dispatch.delta_rule_m_tile`)."""
 
     mode: str = dataclasses.field(metadata=dict(static=True))
     kind: str = dataclasses.field(metadata=dict(static=True))
@@ -56,22 +58,24 @@ class DeltaFactors(Factors):
     output: jax.Array
     h: jax.Array
     token_total: jax.Array | None
+    ctx: Context = dataclasses.field(default=XLA, metadata=dict(static=True))
 
     channels_first = False
 
-    def m_tile(self, rows, c0, width: int):
+    def m_tile(self, rows, c0, width: int, blocks: Blocks | None = None):
         """M[rows, c0 : c0 + width] per value head, (b, H, r, width), from ``chunks``
         (:func:`latim_jax.kernels.delta_rule.m_tile`: a few small matmuls per chunk between the tile's
-        columns and its last row)."""
-        return delta_rule.m_tile(self.chunks, rows, c0, width)
+        columns and its last row; with ``ctx.kernels`` the Pallas kernel of kernels/delta_rule_tiles.py,
+        ``blocks.vmem_limit_bytes`` its scoped VMEM on TPU)."""
+        return dispatch.delta_rule_m_tile(self.chunks, rows, c0, width, ctx=self.ctx, block_sizes=blocks)
 
     def pair_values(self, rows, j0, width: int, blocks: Blocks, *, channels_first: bool = False):
         """V_{i,j} = G_i * sum_k M[i, j+k] a_k[j] for i in ``rows``, j in [j0, j0 + width): (b, r, width, e),
         so that T_i(x_j) = V_{i,j} @ W_out. Sources past the end give zeros."""
-        del blocks, channels_first
+        del channels_first
         b, K, _, e = self.a.shape
         H = self.beta.shape[-1]
-        M = self.m_tile(rows, j0, width + K - 1)  # (b, H, r, width + K - 1)
+        M = self.m_tile(rows, j0, width + K - 1, blocks)  # (b, H, r, width + K - 1)
         cols = j0 + jnp.arange(width)
         a = jnp.take(self.a, cols, axis=2, mode="fill", fill_value=0).reshape(b, K, width, H, e // H)
         acc = sum(jnp.einsum("bhrw,bwhv->brwhv", M[..., k : k + width], a[:, k]) for k in range(K))
@@ -143,5 +147,5 @@ def factors(
     chunks = delta_rule.tile_factors(q, k, g, beta, tile_chunk(s.chunk, L))
     return DeltaFactors(
         mode=mode, kind=block.kind, q=q, k=k, g=g, beta=beta, chunks=chunks, a=a, G=G, W_out=W_out, bias=bias,
-        output=mixer.output(inter), h=h.astype(f32), token_total=total,
+        output=mixer.output(inter), h=h.astype(f32), token_total=total, ctx=ctx.local(),
     )  # fmt: skip
