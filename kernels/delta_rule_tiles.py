@@ -33,8 +33,8 @@ Two variants, both run by interpret mode on CPU:
 - "gpu" (Triton): grid (b, H, width tiles), all parallel, no scratch; each program holds its head's
   factors for every chunk in global memory and loops over chunks first..last with ``fori_loop``,
   carrying (Y, out) as loop values. Every in-kernel size is a power of two >= 16 (padded).
-Zero padding is harmless: padded factor rows and columns are 0, and a padded local index a >= C is
-masked out of Sc and Sr.
+Zero padding is harmless: a padded local index a >= C of chunk I names position (I + 1) C + a - C,
+but the factor rows and columns it selects (L_I, B_I columns; L_I, R_I rows) are zero.
 
 VMEM (TPU), double-buffered blocks: one chunk's four factors (Cp^2 + 2 Cp kp + kp^2), the rows
 (rp, 1) and the output (rp, wt); scratch Y (kp, wt); in-body temporaries counted as (Cp, wt) x 3,
@@ -86,13 +86,13 @@ def _dot(a, b):  # (m, k) (k, n) -> (m, n), fp32 passes: exact on one-hot operan
 
 def _selections(c0, w0, rows_col, chunk, C: int, Cp: int, wt: int):
     """(Sc (Cp, wt), Sr (rp, Cp)) of chunk ``chunk`` (module docstring) for the columns c0 + w0 + [0,
-    wt) and the target rows ``rows_col`` (rp, 1); local indices a >= C (padding) select nothing."""
+    wt) and the target rows ``rows_col`` (rp, 1). A padded local index a >= C names a position of the
+    next chunk, but selects only zeros: the padded rows and columns of the chunk's factors."""
     base = chunk * C
-    a_sub = lax.broadcasted_iota(jnp.int32, (Cp, wt), 0)
     col = c0 + w0 + lax.broadcasted_iota(jnp.int32, (Cp, wt), 1)
-    Sc = jnp.where((col == base + a_sub) & (a_sub < C), 1.0, 0.0).astype(f32)
-    a_lane = lax.broadcasted_iota(jnp.int32, (rows_col.shape[0], Cp), 1)
-    Sr = jnp.where((rows_col == base + a_lane) & (a_lane < C), 1.0, 0.0).astype(f32)
+    Sc = jnp.where(col == base + lax.broadcasted_iota(jnp.int32, (Cp, wt), 0), 1.0, 0.0).astype(f32)
+    at = base + lax.broadcasted_iota(jnp.int32, (rows_col.shape[0], Cp), 1)
+    Sr = jnp.where(rows_col == at, 1.0, 0.0).astype(f32)
     return Sc, Sr
 
 
@@ -226,7 +226,7 @@ def _forward(factors: delta_rule.TileFactors, rows, c0, width: int, config):
     k, r = factors.carry.shape[-1], rows.shape[0]
     Cp, kp, rp, wt, wp = _sizes(target, C, k, r, width, width_tile)
     sc = _scalars(rows, c0, n, C)
-    rows_p = jnp.full((rp,), -1, jnp.int32).at[:r].set(rows)  # -1: a padding row matches nothing
+    rows_p = jnp.full((rp,), -1, jnp.int32).at[:r].set(rows)  # padding rows: sliced off below
     loc, inj = _pad(factors.local, (Cp, Cp)), _pad(factors.inject, (kp, Cp))
     rd, car = _pad(factors.readout, (Cp, kp)), _pad(factors.carry, (kp, kp))
     out_shape = jax.ShapeDtypeStruct((b, H, rp, wp), f32)

@@ -10,6 +10,7 @@ vmap, the dispatch through the execution context, the TPU VMEM guard, and the re
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -168,6 +169,11 @@ def test_attribution_with_pallas_equals_xla_on_a_gdn_hybrid():
         blocks = f.tiles(None, None)
         assert len(lowering.pallas_grids(lambda f, b=blocks: f.pair_values(rows, 0, 13, b), f)) == kernels
         assert len(lowering.pallas_grids(lambda f: f.attention_map(rows, 0, 13), f)) == kernels
+    # built for a TPU, the score tiles' Blocks.vmem_limit_bytes is the scoped limit the kernel passes
+    f = dataclasses.replace(f, ctx=Context(kernels=True, platform="tpu", chip="v5e"))
+    blocks = f.tiles(None, Blocks(vmem_limit_bytes=40 * MiB))
+    (call,) = lowering.pallas_grids(lambda f: f.pair_values(rows, 0, 13, blocks), f)
+    assert call["vmem_limit_bytes"] == 40 * MiB
     for method in ("l2", "hidden_attention"):
         x = latim_jax.attribute(model, tokens, method=method, impl="xla", layers=[0])
         p = latim_jax.attribute(model, tokens, method=method, impl="pallas", layers=[0])
