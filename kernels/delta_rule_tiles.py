@@ -27,9 +27,13 @@ Two variants, both run by interpret mode on CPU:
 - "tpu" (Mosaic): grid (b, H, width tiles, n), the chunk axis last and "arbitrary"; Y in a VMEM
   scratch (kp, wt) and the output block (rp, wt) resident across the chunk axis (an accumulator).
   Scalar-prefetched [c0, first, last, lo, hi, rows-in-chunk flags]: steps outside [first, last]
-  compute nothing and their index maps clamp to [lo, hi], so they fetch no new factor blocks. C and k
-  are zero-padded to multiples of 128, rows to 8, the width tile to 128: every in-kernel array is
-  (8, 128)-aligned (a layer chunk of 64 pays twice its chunk-sized products for it).
+  compute nothing and their index maps clamp to [lo, hi], so they fetch no new factor blocks. The
+  factor blocks are whole (C, C), (k, C), (C, k), (k, k) matrices (a block equal to the array's last
+  two dims is legal at any size), C, k and the rows zero-padded to multiples of 8 only, the width tile
+  a multiple of 128: padding C and k to 128 would copy every chunk's factors at up to (128 / C)^2 times
+  their size for each tile (256x for the tiny hybrid's C = k = 8: measured, see
+  benchmarks/results/delta_rule_kernel_memory.md); chunk-sized matmuls with fewer than 128 lanes are
+  left to Mosaic's masking (not compiled for a TPU here: ``.lower`` only).
 - "gpu" (Triton): grid (b, H, width tiles), all parallel, no scratch; each program holds its head's
   factors for every chunk in global memory and loops over chunks first..last with ``fori_loop``,
   carrying (Y, out) as loop values. Every in-kernel size is a power of two >= 16 (padded).
@@ -206,7 +210,7 @@ def _sizes(target: str, C: int, k: int, r: int, width: int, width_tile):
         wt = min(width_tile or TPU_WIDTH_TILE, round_up(width, 128))
         if wt % 128:
             raise ValueError(f"the TPU M-tile kernel needs a width tile multiple of 128, found {wt}")
-        Cp, kp, rp = round_up(C, 128), round_up(k, 128), round_up(r, 8)
+        Cp, kp, rp = round_up(C, 8), round_up(k, 8), round_up(r, 8)
     else:
         wt = min(width_tile or GPU_WIDTH_TILE, max(next_pow2(width), 16))
         if wt & (wt - 1) or wt < 16:

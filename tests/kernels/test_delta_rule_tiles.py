@@ -222,25 +222,22 @@ def test_a_tile_over_the_chips_vmem_is_refused_naming_the_chip_and_a_tile_that_f
 
 def test_the_budget_counts_what_the_pallas_call_declares():
     """The guard's blocks and scratch are the pallas_call's (so it cannot drift from the kernel), at the
-    chip's scoped limit; every block (8, 128)-aligned; one program per (prompt, head, width tile,
-    chunk)."""
+    chip's scoped limit; one program per (prompt, head, width tile, chunk)."""
     fn, args = tpu_tile(64, 67, "v6e")
     (call,) = lowering.pallas_grids(fn, *args)
-    ins, out, scratch, _ = tpu_blocks(128, 128, 64, 128)
+    ins, out, scratch, _ = tpu_blocks(64, 128, 64, 128)  # chunk 64 and key dim 128 unpadded
     padded = lambda shapes: sum(vmem.padded_bytes(s) for s in shapes)  # noqa: E731
     assert padded(call["blocks"]) == padded([*ins, out]) and call["scratch"] == scratch
     assert call["vmem_limit_bytes"] == TPU_CHIPS["v6e"].vmem_limit_bytes
     assert call["grid"] == (1, 2, 1, 64)
+    assert call["arrays"][1:5] == [x.shape for x in args[0]]  # the factors themselves: no padded copy
     # the guard refuses exactly the limits below what the call declares (plus its temporaries)
-    need = vmem.need(call["blocks"], call["scratch"], tpu_blocks(128, 128, 64, 128)[3]).total + vmem.RESERVE
+    need = vmem.need(call["blocks"], call["scratch"], tpu_blocks(64, 128, 64, 128)[3]).total + vmem.RESERVE
     fn, args = tpu_tile(64, 67, "v6e", vmem_limit_bytes=need)
     jax.eval_shape(fn, *args)
     fn, args = tpu_tile(64, 67, "v6e", vmem_limit_bytes=need - 1)
     with pytest.raises(vmem.VmemOverflow):
         jax.eval_shape(fn, *args)
-    for block in call["blocks"]:
-        rows, cols = [d or 1 for d in block[-2:]]
-        assert rows % 8 == 0 and (cols % 128 == 0 or cols == 1), block
 
 
 def hardware_calls(text: str) -> list[str]:
@@ -276,10 +273,12 @@ def test_lowers_for_hardware(platform, vmapped):
     calls = lowering.pallas_grids(fn, *args)
     assert hardware_calls(text) == [CUSTOM_CALL[platform]] * len(calls) == [CUSTOM_CALL[platform]]
     (call,) = calls
-    for block in call["blocks"]:  # the last two dims of each block (a squeezed one counts 1)
+    for block, array in zip(call["blocks"], call["arrays"], strict=True):  # the last two dims of each
         dims = [d or 1 for d in block[-2:]]
-        if platform == "tpu":  # (8, 128)-aligned, or a column of rows
-            assert dims[0] % 8 == 0 and (dims[1] % 128 == 0 or dims[1] == 1), block
+        if platform == "tpu":  # Mosaic: multiples of (8, 128) or the array's own dims
+            for d, a, m in zip(dims, array[-2:], (8, 128), strict=True):
+                assert d % m == 0 or d == a, (block, array)
+            assert dims[0] % 8 == 0, block  # and rows, chunk, key dim padded to sublanes
         else:  # what a program loads: powers of two >= 16 (the chunk axis before them is indexed)
             assert all(d == 1 or (d >= 16 and d & (d - 1) == 0) for d in dims), block
 
