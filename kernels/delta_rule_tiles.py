@@ -19,7 +19,7 @@ in, and reads and writes with one-hot selections built from iota compares, so no
     Y       <- P_I Y + B_I Sc          (kp, wt)
 
 Chunks before the first column's or after the last row's are skipped (first = c0 // C, last = the
-last row's chunk), as is the read of a chunk holding none of the rows. Rows may be any positions in
+last row's chunk), as is (on TPU) the read of a chunk holding none of the rows. Rows may be any positions in
 any order, repeated; columns past the end are 0 (they match no position). The one-hot products are
 exact at HIGHEST precision, so the kernel equals the scan to fp32 rounding of the same products.
 
@@ -31,12 +31,13 @@ Two variants, both run by interpret mode on CPU:
   factor blocks are whole (C, C), (k, C), (C, k), (k, k) matrices (a block equal to the array's last
   two dims is legal at any size), C, k and the rows zero-padded to multiples of 8 only, the width tile
   a multiple of 128: padding C and k to 128 would copy every chunk's factors at up to (128 / C)^2 times
-  their size for each tile (256x for the tiny hybrid's C = k = 8: measured, see
-  benchmarks/results/delta_rule_kernel_memory.md); chunk-sized matmuls with fewer than 128 lanes are
+  their size for each tile (256x for the tiny hybrid's C = k = 8: 128 MiB of temporaries for its last
+  row at L = 1024, docs/performance.md); chunk-sized matmuls with fewer than 128 lanes are
   left to Mosaic's masking (not compiled for a TPU here: ``.lower`` only).
 - "gpu" (Triton): grid (b, H, width tiles), all parallel, no scratch; each program holds its head's
   factors for every chunk in global memory and loops over chunks first..last with ``fori_loop``,
-  carrying (Y, out) as loop values. Every in-kernel size is a power of two >= 16 (padded).
+  carrying (Y, out) as loop values. Every in-kernel size is a power of two >= 16 (padded: a chunk or
+  key dim that is not one is copied padded for each tile, 4x the factors at C = k = 8).
 Zero padding is harmless: a padded local index a >= C of chunk I names position (I + 1) C + a - C,
 but the factor rows and columns it selects (L_I, B_I columns; L_I, R_I rows) are zero.
 
