@@ -98,6 +98,8 @@ python benchmarks/bench_gradients.py --lengths 4096 --compile-only \\
 python benchmarks/bench_hybrid.py
 # Gated DeltaNet M tiles, chunk factors against the one-hot scan per tile (~15 min; --no-scan-long ~8)
 python benchmarks/bench_delta_rule_tiles.py
+# the delta-rule tile kernel's compiled memory beside the XLA tiles (compiles only)
+python benchmarks/bench_delta_rule_kernel_memory.py
 # grad_input before / after the gathered target logits (one process, values compared)
 python benchmarks/bench_grad_input.py
 # the collectives of a model-parallel forward / attribute / gradient per layer, and a 7B pod estimate
@@ -116,6 +118,7 @@ python benchmarks/gpu_check.py
 CURRENT = (
     "hybrid",  # a Nemotron-H-shaped hybrid beside plain Mamba-2 of the same width (issue 25)
     "delta_rule_tiles",  # Gated DeltaNet M tiles: per-chunk factors against the one-hot scan (issue 42)
+    "delta_rule_kernel_memory",  # the same tiles as a Pallas kernel: compiled memory (issue 42)
     "collectives",  # what a model-parallel run moves per layer, and a 7B pod estimate (issue 26)
     "gradients_m2_130m_1024_tangent",  # Mamba-2, 16-row tiles under differentiation, 130m, L = 1024
     "gradients_m2_130m_1024_unsplit",  # the same code with the unsplit tiles (--tangent-rows 64)
