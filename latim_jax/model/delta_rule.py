@@ -333,6 +333,7 @@ GDN = LayerKind(
           "ba_proj": _uniform(lambda shape: 1.0 / math.sqrt(shape[0]))},
     channel_axis={},  # replicated over "model" for now: a head-matched layout is future work
     splits_sequence=True,  # the conv's halo and the rule's state carried across "seq" shards: split_rule
+    halo=lambda c: c.section("gdn").conv - 1,
 )  # fmt: skip
 
 
@@ -402,5 +403,5 @@ KDA = LayerKind(
     section=DeltaRuleConfig, output_params=("out_proj",), memory=delta_memory("kda", per_channel=True),
     init={"conv_w": _conv, "conv_b": _conv, "dt_bias": _dt_bias, "A_log": _a_log, "norm_w": _ones,
           "decay_a": _FAN_IN, "decay_b": _FAN_IN, "b_proj": _FAN_IN, "gate_a": _FAN_IN, "gate_b": _FAN_IN},
-    splits_sequence=True,
+    splits_sequence=True, halo=lambda c: c.section("kda").conv - 1,
 )  # fmt: skip

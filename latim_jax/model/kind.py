@@ -24,6 +24,10 @@ library knows of a kind is one :class:`LayerKind`, declared beside its module (`
     splits_sequence      its forward takes a mesh's "seq" axis (one prompt's length split over devices:
                          :mod:`latim_jax.parallel.sequence`); a model with a kind that does not is refused
                          such a mesh (:func:`latim_jax.model.sharding.check_sequence`)
+    halo(config)         how many positions before a "seq" shard's first one its forward reads from the
+                         previous shard (a causal conv of width K: K - 1; 0 for token-wise kinds and for
+                         attention, which gathers); a "seq" shard holds at least the largest halo of
+                         the model's kinds (``MambaLM.split_length``)
     factors              its decomposition: factors(block, h, mask, ctx, mode, *, hold_fixed, with_total)
                          (:mod:`latim_jax.latim.kinds` documents the interface its result implements)
 
@@ -44,6 +48,10 @@ from typing import Any
 
 def _accept(config) -> None:
     del config
+
+
+def _no_halo(config) -> int:
+    return 0
 
 
 def _no_memory(config, b: int, length: int, rows: int, cols: int) -> int:
@@ -70,6 +78,7 @@ class LayerKind:
     reads_embeddings: bool = False
     folds_norm: bool = False
     splits_sequence: bool = False
+    halo: Callable[[Any], int] = _no_halo
     factors: Callable | None = None
 
     def __post_init__(self):

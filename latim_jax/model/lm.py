@@ -276,12 +276,14 @@ class MambaLM(nnx.Module):
 
     def split_length(self, length: int, ctx: Context) -> int:
         """The length a call runs at on ``ctx``'s mesh: ``length`` itself, or with a "seq" axis of D
-        the next multiple of D with at least k-1 positions per shard (the conv's halo comes from one
-        neighbour); the extra positions are padding (masked, cut from results)."""
+        the next multiple of D with at least as many positions per shard as the largest halo of its
+        layers' kinds (:attr:`LayerKind.halo`: a conv of K taps reads K - 1 positions of one neighbour);
+        the extra positions are padding (masked, cut from results)."""
         d = ctx.axis_size(SEQ)
         if d <= 1:
             return length
-        return d * max(-(-length // d), self.config.d_conv - 1)
+        halo = max(kind_of(name).halo(self.config) for name in set(self.config.kinds))
+        return d * max(-(-length // d), halo, 1)
 
     def embed(self, tokens):
         """h^0 (b, l, d) fp32 (times ``config.embedding_multiplier`` when it is not 1)."""

@@ -484,7 +484,7 @@ def _mamba_kind(module, version: int) -> LayerKind:
         name=module.kind, display=f"Mamba-{version}", module=module, shapes=mamba_shapes,
         output_params=("out_proj", "out_proj_b"), init=MAMBA_INIT, channel_axis=CHANNEL_AXIS,
         memory=mamba_memory, version=version, folds_norm=True, check=check_mamba2 if version == 2 else None,
-        splits_sequence=True,  # the conv's halo and the scan's state carried across shards
+        splits_sequence=True, halo=lambda c: c.d_conv - 1,  # the conv's halo, the scan's state carried
     )  # fmt: skip
 
 
