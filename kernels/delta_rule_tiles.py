@@ -33,7 +33,8 @@ Two variants, both run by interpret mode on CPU:
   a multiple of 128: padding C and k to 128 would copy every chunk's factors at up to (128 / C)^2 times
   their size for each tile (256x for the tiny hybrid's C = k = 8: 128 MiB of temporaries for its last
   row at L = 1024, docs/performance.md); chunk-sized matmuls with fewer than 128 lanes are
-  left to Mosaic's masking (not compiled for a TPU here: ``.lower`` only).
+  left to Mosaic's masking (compiled with real Mosaic for v4, v5e, v5p and v6e by
+  benchmarks/tpu_compile.py, unchanged; not run on a TPU).
 - "gpu" (Triton): grid (b, H, width tiles), all parallel, no scratch; each program holds its head's
   factors for every chunk in global memory and loops over chunks first..last with ``fori_loop``,
   carrying (Y, out) as loop values. Every in-kernel size is a power of two >= 16 (padded: a chunk or
