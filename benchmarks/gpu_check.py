@@ -1,4 +1,4 @@
-"""GPU check of the Pallas scan kernels: correctness against the references, then kernel vs XLA timings.
+"""GPU check of the Pallas kernels: correctness against the references, then kernel vs XLA timings.
 
     python benchmarks/gpu_check.py                 # on a GPU: verify, then time 130m-shaped layers
     python benchmarks/gpu_check.py --cpu-smoke     # anywhere: tiny shapes, interpret mode, no timings
@@ -319,6 +319,84 @@ def _register_score_rows():
 
 
 _register_score_rows()
+
+# --------------------------------------------------------------------------------------------------
+# The delta-rule M-tile kernel's rows (kernels/delta_rule_tiles.py): M[last 64 rows, every column] per
+# head from the TileFactors of random Qwen3-Next-shaped Gated DeltaNet (scalar decay per head) and KDA
+# (decay per key channel) inputs, against the XLA scan over chunks (kernels.delta_rule.m_tile).
+# --------------------------------------------------------------------------------------------------
+
+DELTA_SHAPES = {"full": dict(H=8, dk=128, C=64), "smoke": dict(H=2, dk=8, C=8)}
+DELTA_ROWS = 64  # target rows per tile (the last ones: every chunk is crossed)
+
+
+def delta_inputs(length: int, per_channel: bool, smoke: bool = False, seed: int = 0):
+    """(rows, factors): the last :data:`DELTA_ROWS` rows and the TileFactors of random unit q, k, a
+    log-decay g < 0 ((b, l, H) or, per_channel, (b, l, H, d_k)) and beta in (0, 1), batch 1."""
+    from latim_jax.kernels import delta_rule
+
+    s = DELTA_SHAPES["smoke" if smoke else "full"]
+    H, dk, C = s["H"], s["dk"], s["C"]
+    keys = jax.random.split(jax.random.key(seed), 4)
+    q = delta_rule.l2_normalise(jax.random.normal(keys[0], (1, length, H, dk))) * dk**-0.5
+    k = delta_rule.l2_normalise(jax.random.normal(keys[1], (1, length, H, dk)))
+    g_shape = (1, length, H, dk) if per_channel else (1, length, H)
+    g = -jax.nn.softplus(jax.random.normal(keys[2], g_shape) - 3.0)  # e^g in ~(0.6, 1): long memory
+    beta = jax.nn.sigmoid(jax.random.normal(keys[3], (1, length, H)))
+    factors = jax.jit(delta_rule.tile_factors, static_argnums=4)(q, k, g, beta, C)
+    return jnp.arange(max(length - DELTA_ROWS, 0), length), factors
+
+
+def _delta_width(factors) -> int:
+    return factors.local.shape[1] * factors.local.shape[3]  # n chunks x C: every column (past l: 0)
+
+
+def _delta_kernel(rows, factors, *, block_sizes=None, platform=None, interpret=None):
+    from latim_jax.kernels.delta_rule_tiles import m_tile_pallas
+
+    limit = None if block_sizes is None else block_sizes.vmem_limit_bytes
+    return m_tile_pallas(
+        factors,
+        rows,
+        0,
+        _delta_width(factors),
+        platform=platform,
+        interpret=interpret,
+        vmem_limit_bytes=limit,
+    )
+
+
+def _delta_reference(rows, factors):
+    from latim_jax.kernels import delta_rule
+
+    return delta_rule.m_tile(factors, rows, 0, _delta_width(factors))
+
+
+def _register_delta_rows():
+    for kind, per_channel in (("gdn", False), ("kda", True)):
+        register_check(
+            Check(
+                f"delta M tile {kind} prime l",
+                functools.partial(
+                    lambda pc, smoke: delta_inputs(37 if smoke else 1031, pc, smoke), per_channel
+                ),
+                _delta_kernel,
+                _delta_reference,
+                TOL["float32"],
+            )
+        )
+        register_timing(
+            Timing(
+                f"delta M tile {kind} last {DELTA_ROWS} rows",
+                (1024, 4096),
+                functools.partial(lambda pc, length: delta_inputs(length, pc), per_channel),
+                _delta_kernel,
+                _delta_reference,
+            )
+        )
+
+
+_register_delta_rows()
 
 # --------------------------------------------------------------------------------------------------
 # Running the tables
