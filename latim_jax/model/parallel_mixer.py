@@ -61,5 +61,5 @@ PARALLEL = LayerKind(
     shapes=lambda c: {**MAMBA2.shapes(c), **ATTENTION.shapes(c)},
     output_params=MAMBA2.output_params + ATTENTION.output_params, check=_check_parallel,
     init=MAMBA2.init, channel_axis=MAMBA2.channel_axis, memory=parallel_memory, version=2,
-    holds_attention=True,
+    holds_attention=True, splits_sequence=True, halo=MAMBA2.halo,  # both halves take "seq"
 )  # fmt: skip

@@ -120,4 +120,5 @@ SHARED = LayerKind(
     output_params=MAMBA2.output_params,  # the block's output reaches the stream only through the SSM
     check=_check_shared, init=MAMBA2.init, channel_axis=MAMBA2.channel_axis, memory=shared_memory,
     version=2, holds_attention=True, reads_embeddings=True,
+    splits_sequence=True, halo=MAMBA2.halo,  # its attention gathers, its Mamba-2 splits; h^0 is per token
 )  # fmt: skip

@@ -115,19 +115,33 @@ DELTA = dict(
 def test_the_kinds_that_take_the_seq_axis_are_declared_on_the_kind():
     declared = {name for name, kind in registered().items() if kind.splits_sequence}
     assert set(sequence_kinds()) == declared
-    assert {"mamba1", "mamba2", "attention", "mlp", "moe", "gdn", "kda", "mla"} <= declared
-    assert not {"shared", "parallel"} & declared  # not split yet (their forward is untested over "seq")
+    assert {
+        "mamba1",
+        "mamba2",
+        "attention",
+        "mlp",
+        "moe",
+        "gdn",
+        "kda",
+        "mla",
+        "parallel",
+        "shared",
+    } <= declared
     check_sequence(_model("gdn", "kda", "mla", **DELTA), SEQ_MESH, sequence=True)  # accepted
 
 
 def test_a_kind_that_does_not_declare_the_seq_axis_is_refused_by_name():
     shared = dict(attn_heads=2, attn_kv_heads=1, attn_head_dim=8, mlp_width=12, mlp_gated=True)
-    model = _model("mamba2", "shared", **shared)
-    with pytest.raises(ValueError, match=r"layer 1 is a 'shared' layer, whose forward cannot split") as e:
-        check_sequence(model, SEQ_MESH, sequence=True)
+    model, kind = _model("mamba2", "shared", **shared), kind_of("shared")
+    register(dataclasses.replace(kind, splits_sequence=False), replace=True)  # a kind without a split
+    try:
+        with pytest.raises(ValueError, match=r"layer 1 is a 'shared' layer, whose forward cannot split") as e:
+            check_sequence(model, SEQ_MESH, sequence=True)
+    finally:
+        register(kind, replace=True)
     message = str(e.value)
-    assert "kinds that can: " + ", ".join(sequence_kinds()) in message and "gdn, kda" in message
-    assert "shared," not in message
+    assert "kinds that can: " in message and "gdn, kda" in message and "shared," not in message
+    check_sequence(model, SEQ_MESH, sequence=True)  # declared again: accepted
     with pytest.raises(ValueError, match="splits the forward"):  # attribution: refused for every kind
         check_sequence(_model("gdn", **DELTA), SEQ_MESH, sequence=False)
     check_sequence(model, AbstractMesh((1, 8), ("seq", "data")), sequence=True)  # a "seq" of 1: no split
