@@ -107,7 +107,9 @@ def profile_torch(path, ids, method, mode, runs) -> dict:
     import torch_baseline as tb
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, use_kernels=False
+    ).eval()
     ids_t = torch.from_numpy(ids)
     mixer = model.backbone.layers[0].mixer
     stages: dict[str, list[float]] = {}

@@ -209,7 +209,9 @@ def run(args) -> dict:
         with tempfile.TemporaryDirectory() as ckpt:
             build(variant, args.seed).save_pretrained(ckpt)
             model = latim_jax.load(ckpt)
-            hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+            hf = transformers.AutoModelForCausalLM.from_pretrained(
+                ckpt, dtype=torch.float32, use_kernels=False
+            ).eval()
             with torch.no_grad():
                 hf_logits = hf(torch.as_tensor(tokens)).logits
             hf_linear = [i for i, t in enumerate(hf.config.layer_types) if t == "linear_attention"]

@@ -95,7 +95,9 @@ def load_torch(spec):
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        spec["model_dir"], dtype=torch.float32, use_kernels=False
+    )
     return model.eval()
 
 

@@ -127,7 +127,11 @@ def reference_model(path, config, params):
         if not bars_enabled():  # transformers' own "Loading weights" bar follows latim-jax's switch
             hf_logging.disable_progress_bar()
         try:
-            model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+            # use_kernels=False: transformers' own torch code is the reference (5.25 defaults to hub
+            # kernels and refuses to load without the `kernels` package; 5.24 defaults to False)
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                str(path), dtype=torch.float32, use_kernels=False
+            )
         finally:
             if was_on:
                 hf_logging.enable_progress_bar()

@@ -100,13 +100,21 @@ def test_hidden_state_order_is_detected_in_both_transformers_conventions(tmp_pat
     ref.save_pretrained(tmp_path)
     tokens = np.random.default_rng(0).integers(0, 16, (2, 7))
     residuals = np.asarray(load(tmp_path, dtype="float32").forward(tokens).residuals)
-    entering = []
-    hook = ref.backbone.layers[0].register_forward_pre_hook(lambda m, a: entering.append(a[0].numpy().copy()))
+    # the streams themselves, by hooks (whatever order this transformers lists hidden_states in): the
+    # embeddings entering layer 0, each layer's output, and the final norm's output
+    entering, outs = [], []
+    first = lambda t: (t[0] if isinstance(t, tuple) else t).numpy().copy()  # noqa: E731
+    hooks = [ref.backbone.layers[0].register_forward_pre_hook(lambda m, a: entering.append(first(a)))]
+    hooks += [
+        layer.register_forward_hook(lambda m, a, o: outs.append(first(o))) for layer in ref.backbone.layers
+    ]
+    hooks.append(ref.backbone.norm_f.register_forward_hook(lambda m, a, o: outs.append(first(o))))
     with torch.no_grad():
-        out = ref(torch.from_numpy(tokens), output_hidden_states=True)
-    hook.remove()
-    emb, hs = entering[0], [h.numpy() for h in out.hidden_states]
-    assert len(hs) == 4 and not begins_with_embeddings(hs[0], emb)  # 5.24: 3 layer outputs, final norm
+        ref(torch.from_numpy(tokens))
+    for hook in hooks:
+        hook.remove()
+    emb, hs = entering[0], outs  # hs as 5.24 lists them: 3 layer outputs, then the final norm's
+    assert len(hs) == 4 and not begins_with_embeddings(hs[0], emb)
     conventions = {
         "5.24: after layer 0": (hs, False, 3),
         "5.25: embeddings first": ([emb, hs[0], hs[1], hs[3]], True, 3),
