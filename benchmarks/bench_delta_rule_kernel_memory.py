@@ -32,6 +32,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_delta_rule_tiles import HYBRID, LAYER  # the same workloads as the time benchmark
 from harness import RESULTS, machine, now, write_atomic
 
 import latim_jax
@@ -41,16 +42,6 @@ from latim_jax.latim.scores import layer_scores
 from latim_jax.model.init import init_params
 from latim_jax.parallel.context import XLA, Context
 
-LAYER = dict(
-    version=2, d_model=256, n_layers=1, vocab_size=256, layer_kinds=("gdn",),
-    sections={"gdn": dict(k_heads=4, v_heads=8, k_dim=64, v_dim=32, chunk=64)},
-)  # fmt: skip
-HYBRID = dict(
-    version=2, d_model=16, n_layers=4, vocab_size=40, d_state=4, head_dim=8, chunk_size=8,
-    layer_kinds=("gdn", "mlp", "attention", "gdn"), attn_heads=2, attn_kv_heads=1, attn_head_dim=8,
-    mlp_width=24, mlp_gated=True,
-    sections={"gdn": dict(k_heads=2, v_heads=4, k_dim=8, v_dim=6, chunk=8, conv_bias=True)},
-)  # fmt: skip
 PATHS = {
     "xla": XLA,
     "pallas interpret": Context(kernels=True, platform="cpu"),
