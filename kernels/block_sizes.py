@@ -46,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
@@ -175,3 +176,12 @@ def round_up(x: int, m: int) -> int:
 def next_pow2(x: int) -> int:
     """The smallest power of two >= x (1 for x <= 1)."""
     return 1 << max(0, (x - 1).bit_length())
+
+
+def pad_axis(x, axis: int, size: int):
+    """Zero-pad axis ``axis`` of x up to ``size`` (a tile multiple); x itself when it already has it."""
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths)

@@ -73,6 +73,7 @@ from latim_jax.kernels import delta_rule, f32, vmem
 from latim_jax.kernels.block_sizes import (
     gpu_compiler_params,
     next_pow2,
+    pad_axis,
     resolve_target,
     round_up,
     tpu_compiler_params,
@@ -184,12 +185,9 @@ def _check_tpu_vmem(Cp: int, kp: int, rp: int, wt: int, chip, limit_asked) -> in
     return limit
 
 
-def _pad(x, sizes):
-    """Zero-pad the last len(sizes) axes of x up to ``sizes`` (no copy where nothing changes)."""
-    pads = [(0, s - d) for d, s in zip(x.shape[-len(sizes) :], sizes, strict=True)]
-    if not any(hi for _, hi in pads):
-        return x
-    return jnp.pad(x, [(0, 0)] * (x.ndim - len(sizes)) + pads)
+def _pad(x, rows: int, cols: int):
+    """Zero-pad the last two axes of x up to (rows, cols) (no copy where nothing changes)."""
+    return pad_axis(pad_axis(x, -2, rows), -1, cols)
 
 
 def _scalars(rows, c0, n: int, C: int):
@@ -233,8 +231,8 @@ def _forward(factors: delta_rule.TileFactors, rows, c0, width: int, config):
     Cp, kp, rp, wt, wp = _sizes(target, C, k, r, width, width_tile)
     sc = _scalars(rows, c0, n, C)
     rows_p = jnp.full((rp,), -1, jnp.int32).at[:r].set(rows)  # padding rows: sliced off below
-    loc, inj = _pad(factors.local, (Cp, Cp)), _pad(factors.inject, (kp, Cp))
-    rd, car = _pad(factors.readout, (Cp, kp)), _pad(factors.carry, (kp, kp))
+    loc, inj = _pad(factors.local, Cp, Cp), _pad(factors.inject, kp, Cp)
+    rd, car = _pad(factors.readout, Cp, kp), _pad(factors.carry, kp, kp)
     out_shape = jax.ShapeDtypeStruct((b, H, rp, wp), f32)
     nw = wp // wt
     if target == "tpu":
@@ -260,7 +258,7 @@ def _forward(factors: delta_rule.TileFactors, rows, c0, width: int, config):
             interpret=interpret,
         )(sc, rows_p[:, None], loc, inj, rd, car)
     else:
-        sc = _pad(sc, (next_pow2(sc.shape[0]),))  # every Triton block a power of two
+        sc = pad_axis(sc, 0, next_pow2(sc.shape[0]))  # every Triton block a power of two
         whole = lambda *shape: pl.BlockSpec((_sq, n, _sq, *shape), lambda bi, h, w: (bi, 0, h, 0, 0))  # noqa: E731
         specs = [
             pl.BlockSpec(sc.shape, lambda bi, h, w: (0,)),

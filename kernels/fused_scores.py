@@ -58,6 +58,7 @@ from latim_jax.kernels.block_sizes import (
     Blocks,
     gpu_compiler_params,
     next_pow2,
+    pad_axis,
     resolve_target,
     round_up,
 )
@@ -376,9 +377,9 @@ def _forward_gpu(f, method, rows, aux, bs: Blocks, precision: str, interpret: bo
         ep = e
     else:
         ep = round_up(e, ec)  # zero channels contribute nothing (a = G = W = 0)
-        a, W, G = _pad_to(a, -1, ep), _pad_to(W, 0, ep), _pad_to(G, -1, ep)
-        src, tgt = _pad_to(x.src, -1, ep), _pad_to(x.tgt, -1, ep)
-        ad = _pad_to(jnp.concatenate([x.A.T, x.D[None]], axis=0), -1, ep)  # (n + 1, ep)
+        a, W, G = pad_axis(a, -1, ep), pad_axis(W, 0, ep), pad_axis(G, -1, ep)
+        src, tgt = pad_axis(x.src, -1, ep), pad_axis(x.tgt, -1, ep)
+        ad = pad_axis(jnp.concatenate([x.A.T, x.D[None]], axis=0), -1, ep)  # (n + 1, ep)
         B = jnp.swapaxes(x.B, 2, 3)  # (b, K, n, lp)
         kernel = functools.partial(_m1_kernel_gpu, cfg=(method, K, n, ec, ep // ec, prec))
         specs = [
@@ -410,13 +411,6 @@ def _forward_gpu(f, method, rows, aux, bs: Blocks, precision: str, interpret: bo
         interpret=interpret,
     )(*arrays)
     return out, x
-
-
-def _pad_to(x, axis: int, size: int):
-    """Zero-pad one axis of x up to ``size``."""
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, pad)
 
 
 def _finish(method, partial, x: _Prepared, rows, length: int):

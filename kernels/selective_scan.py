@@ -26,6 +26,7 @@ from latim_jax.kernels.block_sizes import (
     Blocks,
     gpu_compiler_params,
     next_pow2,
+    pad_axis,
     resolve_target,
     round_up,
     tpu_compiler_params,
@@ -285,15 +286,6 @@ def _tiles_gpu(l: int, e: int, n: int, bs: Blocks) -> tuple[int, int]:
     return q, min(next_pow2(bs.scan_block_e), next_pow2(e))
 
 
-def _pad_axis(x, axis: int, size: int):
-    """Zero-pad axis `axis` of x up to `size`."""
-    if x.shape[axis] == size:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, widths)
-
-
 def _scan_forward_tpu(delta, du, A, B, C, h0, bs: Blocks, interpret: bool, keep: bool, chip=None):
     """pallas_call of the TPU variant. Returns (y_ssm (b, l, e), final state (b, e, n), checkpoints):
     the checkpoints (b, l-chunks, n, ep), the state^T entering each chunk, only with ``keep``."""
@@ -301,10 +293,10 @@ def _scan_forward_tpu(delta, du, A, B, C, h0, bs: Blocks, interpret: bool, keep:
     n = A.shape[1]
     tl, te, limit = _scan_tiles_tpu(l, e, n, bs, interpret, chip, backward=False)
     lp, ep = round_up(l, tl), round_up(e, te)  # padding: delta = du = 0 keeps the state unchanged
-    delta, du = (_pad_axis(_pad_axis(t, 1, lp), 2, ep) for t in (delta, du))
-    At = _pad_axis(A.T, 1, ep)  # (n, ep)
-    Bt, Ct = (_pad_axis(t, 1, lp).swapaxes(1, 2) for t in (B, C))  # (b, n, lp)
-    h0t = _pad_axis(h0.swapaxes(1, 2), 2, ep)  # (b, n, ep)
+    delta, du = (pad_axis(pad_axis(t, 1, lp), 2, ep) for t in (delta, du))
+    At = pad_axis(A.T, 1, ep)  # (n, ep)
+    Bt, Ct = (pad_axis(t, 1, lp).swapaxes(1, 2) for t in (B, C))  # (b, n, lp)
+    h0t = pad_axis(h0.swapaxes(1, 2), 2, ep)  # (b, n, ep)
 
     seq = pl.BlockSpec((pl.squeezed, tl, te), lambda i, j, k: (i, k, j))
     state = pl.BlockSpec((pl.squeezed, n, te), lambda i, j, k: (i, 0, j))
@@ -337,10 +329,10 @@ def _scan_forward_gpu(delta, du, A, B, C, h0, bs: Blocks, interpret: bool, keep:
     n = A.shape[1]
     q, te = _tiles_gpu(l, e, n, bs)
     lp, ep = round_up(l, q), round_up(e, te)
-    delta, du = (_pad_axis(_pad_axis(t, 1, lp), 2, ep) for t in (delta, du))
-    B, C = (_pad_axis(t, 1, lp) for t in (B, C))
-    At = _pad_axis(A.T, 1, ep)  # (n, ep)
-    h0t = _pad_axis(h0.swapaxes(1, 2), 2, ep)  # (b, n, ep)
+    delta, du = (pad_axis(pad_axis(t, 1, lp), 2, ep) for t in (delta, du))
+    B, C = (pad_axis(t, 1, lp) for t in (B, C))
+    At = pad_axis(A.T, 1, ep)  # (n, ep)
+    h0t = pad_axis(h0.swapaxes(1, 2), 2, ep)  # (b, n, ep)
 
     seq = pl.BlockSpec((pl.squeezed, lp, te), lambda i, j: (i, 0, j))
     state = pl.BlockSpec((pl.squeezed, n, te), lambda i, j: (i, 0, j))
@@ -385,10 +377,10 @@ def _scan_backward_tpu(delta, du, A, B, C, hs, dy, dhT, bs: Blocks, interpret: b
     tl, te, limit = _scan_tiles_tpu(l, e, n, bs, interpret, chip, backward=True)
     lp, ep = round_up(l, tl), round_up(e, te)
     nk, ne = lp // tl, ep // te
-    delta, du, dy = (_pad_axis(_pad_axis(t, 1, lp), 2, ep) for t in (delta, du, dy))
-    At = _pad_axis(A.T, 1, ep)
-    Bt, Ct = (_pad_axis(t, 1, lp).swapaxes(1, 2) for t in (B, C))
-    dhTt = _pad_axis(dhT.swapaxes(1, 2), 2, ep)
+    delta, du, dy = (pad_axis(pad_axis(t, 1, lp), 2, ep) for t in (delta, du, dy))
+    At = pad_axis(A.T, 1, ep)
+    Bt, Ct = (pad_axis(t, 1, lp).swapaxes(1, 2) for t in (B, C))
+    dhTt = pad_axis(dhT.swapaxes(1, 2), 2, ep)
 
     rev = lambda k: nk - 1 - k  # noqa: E731  (grid step k visits chunk nk - 1 - k)
     seq = pl.BlockSpec((pl.squeezed, tl, te), lambda i, j, k: (i, rev(k), j))
@@ -417,10 +409,10 @@ def _scan_backward_gpu(delta, du, A, B, C, hs, dy, dhT, bs: Blocks, interpret: b
     q, te = _tiles_gpu(l, e, n, bs)
     lp, ep = round_up(l, q), round_up(e, te)
     ne = ep // te
-    delta, du, dy = (_pad_axis(_pad_axis(t, 1, lp), 2, ep) for t in (delta, du, dy))
-    B, C = (_pad_axis(t, 1, lp) for t in (B, C))
-    At = _pad_axis(A.T, 1, ep)
-    dhTt = _pad_axis(dhT.swapaxes(1, 2), 2, ep)
+    delta, du, dy = (pad_axis(pad_axis(t, 1, lp), 2, ep) for t in (delta, du, dy))
+    B, C = (pad_axis(t, 1, lp) for t in (B, C))
+    At = pad_axis(A.T, 1, ep)
+    dhTt = pad_axis(dhT.swapaxes(1, 2), 2, ep)
 
     seq = pl.BlockSpec((pl.squeezed, lp, te), lambda i, j: (i, 0, j))
     state = pl.BlockSpec((pl.squeezed, n, te), lambda i, j: (i, 0, j))
