@@ -159,8 +159,9 @@ def _encode(tok, text: str):
     """``tok.encode(text)``; for a word-level vocabulary, words outside it are refused by name unless
     the vocabulary holds the model's unknown token, which they then become, with a warning naming
     them (never silently)."""
-    unk = unknown_token(tok) if _is_word_level(tok) else None
-    if _is_word_level(tok) and unk is None:
+    word_level = _is_word_level(tok)
+    unk = unknown_token(tok) if word_level else None
+    if word_level and unk is None:
         unknown = [w for w in _words(tok, text) if tok.token_to_id(w) is None]
         if unknown:
             raise ValueError(f"unknown word(s) {unknown[:5]}; separate words by spaces")
