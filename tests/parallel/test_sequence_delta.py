@@ -160,10 +160,13 @@ def test_the_refusal_reads_the_registry():
 
 
 class _Seq:
-    """A stand-in execution context with a "seq" axis of 8 (split_length reads only its size)."""
+    """A stand-in execution context with a "seq" axis of ``size`` (split_length reads only its size)."""
+
+    def __init__(self, size: int = 8):
+        self.size = size
 
     def axis_size(self, axis):
-        return 8 if axis == "seq" else 1
+        return self.size if axis == "seq" else 1
 
 
 def test_each_shard_holds_the_largest_conv_halo_of_the_model_kinds():
@@ -171,16 +174,10 @@ def test_each_shard_holds_the_largest_conv_halo_of_the_model_kinds():
     model's kinds (LayerKind.halo): a gdn conv of 7 taps in a model whose Mamba d_conv is 4 needs 6
     per shard, not 3 (the halo is read from one neighbour only)."""
     wide = {**DELTA["sections"], "gdn": {**DELTA["sections"]["gdn"], "conv": 7}}
-    assert _model("gdn", "mlp", mlp_width=12, sections=wide).split_length(5, _Seq()) == 8 * 6
-    assert (
-        _model("gdn", "mlp", mlp_width=12, **DELTA).split_length(5, _Seq()) == 8 * 3
-    )  # conv 4 (the default)
+    gdn_wide, gdn = (_model("gdn", "mlp", mlp_width=12, **f) for f in (dict(sections=wide), DELTA))
+    assert gdn_wide.split_length(5, _Seq()) == 8 * 6
+    assert gdn.split_length(5, _Seq()) == 8 * 3  # conv 4 (the default)
     assert _model("mamba2", d_conv=4).split_length(5, _Seq()) == 8 * 3
     assert _model("mamba2", d_conv=4).split_length(101, _Seq()) == 104  # long enough: next multiple
     assert _model("mlp", mlp_width=12).split_length(5, _Seq()) == 8  # no halo: one position per shard
-    assert (
-        _model("gdn", "mlp", mlp_width=12, sections=wide).split_length(
-            5, type("One", (), {"axis_size": lambda s, a: 1})()
-        )
-        == 5
-    )
+    assert gdn_wide.split_length(5, _Seq(1)) == 5  # no split
