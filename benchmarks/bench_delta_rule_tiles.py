@@ -166,7 +166,7 @@ def worker(spec: dict) -> dict:
 def measure(spec: dict, timeout_s: float) -> dict:
     """:func:`worker` in a subprocess of its own (its memory its own; a stuck run is killed)."""
     args = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
-    for attempt in range(3):  # XLA:CPU here sometimes stalls a process for good (every thread idle)
+    for attempt in range(3):  # stalls (every thread idle) came from jaxlib's CPU LAPACK solve, since replaced
         try:
             proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s)
             break

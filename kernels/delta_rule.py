@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.scipy.linalg import solve_triangular
+from jax.scipy.linalg import solve_triangular as _lapack_solve
 
 from latim_jax.kernels import f32
 
@@ -38,6 +38,32 @@ def l2_normalise(x, eps: float = 1e-6):
     """x * rsqrt(sum(x^2) + eps) over the last axis, in fp32 (the FLA / transformers l2norm)."""
     x = x.astype(f32)
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def _substitute(U, B):
+    """U^-1 B for unit lower-triangular U (..., C, C), B (..., C, d) by forward substitution in XLA ops:
+    row r of the result is B_r - U_r X, one row per step of a fixed-length loop (reverse-differentiable)."""
+    C = U.shape[-1]
+
+    def row(r, X):
+        return X.at[..., r, :].set(B[..., r, :] - jnp.einsum("...j,...jd->...d", U[..., r, :], X))
+
+    return jax.lax.fori_loop(0, C, row, jnp.zeros_like(B))
+
+
+def solve_unit_lower(U, B):
+    """U^-1 B for unit lower-triangular U (..., C, C) and B (..., C, d).
+
+    On CPU this is :func:`_substitute`, not LAPACK: jaxlib's CPU triangular solve (a LAPACK trsm custom
+    call) intermittently never completes inside these programs (a deadlock in XLA:CPU's runtime, seen in
+    training steps and the tile benchmarks with jax 0.10.2, about one run in three of a batch-16 training
+    step; none in the same programs with this substitution). Elsewhere it is the backend's triangular
+    solve (cuBLAS on GPU, XLA's own on TPU)."""
+    U, B = jnp.asarray(U), jnp.asarray(B)
+    return jax.lax.platform_dependent(
+        U, B, cpu=_substitute,
+        default=lambda U, B: _lapack_solve(U, B, lower=True, unit_diagonal=True),
+    )  # fmt: skip
 
 
 def _chunk_algebra(q, k, g, beta, chunk: int):
@@ -72,7 +98,7 @@ def _chunk_algebra(q, k, g, beta, chunk: int):
         kk = jnp.einsum("nbhic,nbhjc->nbhij", k, k) * E[..., 0]
         intra = jnp.einsum("nbhic,nbhjc->nbhij", q, k) * E[..., 0]
     U = jnp.eye(C, dtype=f32) + jnp.where(jnp.tril(lower, -1), beta[..., :, None] * kk, 0.0)
-    Kd = solve_triangular(U, beta[..., None] * k * jnp.exp(gamma), lower=True, unit_diagonal=True)
+    Kd = solve_unit_lower(U, beta[..., None] * k * jnp.exp(gamma))
     return dict(
         beta=beta, gamma=gamma, U=U, Kd=Kd, intra=intra, q_in=q * jnp.exp(gamma),
         k_out=k * jnp.exp(gamma[..., -1:, :] - gamma),
@@ -98,7 +124,7 @@ def chunked(q, k, v, g, beta, chunk: int, state=None):
     n = x["U"].shape[0]
     v = jnp.pad(v.astype(f32), ((0, 0), (0, n * C - length), (0, 0), (0, 0)))
     v = jnp.moveaxis(jnp.moveaxis(v.reshape(b, n, C, H, dv), 3, 2), 1, 0)  # (n, b, H, C, v)
-    W = solve_triangular(x["U"], x["beta"][..., None] * v, lower=True, unit_diagonal=True)
+    W = solve_unit_lower(x["U"], x["beta"][..., None] * v)
     step_decay = jnp.exp(x["gamma"][..., -1, :])[..., :, None]  # (n, b, H, c, 1): rows of the state
 
     def body(S, xs):
@@ -162,7 +188,7 @@ def tile_factors(q, k, g, beta, chunk: int) -> TileFactors:
     C = int(chunk)
     x = _chunk_algebra(q, k, g, beta, C)
     eye = jnp.broadcast_to(jnp.eye(C, dtype=f32), x["U"].shape)
-    U_beta = solve_triangular(x["U"], eye, lower=True, unit_diagonal=True) * x["beta"][..., None, :]
+    U_beta = solve_unit_lower(x["U"], eye) * x["beta"][..., None, :]
     local = jnp.einsum("nbhij,nbhja->nbhia", x["intra"], U_beta)
     inject = jnp.einsum("nbhck,nbhca->nbhka", x["k_out"], U_beta)
     readout = x["q_in"] - jnp.einsum("nbhij,nbhjk->nbhik", x["intra"], x["Kd"])
