@@ -138,19 +138,24 @@ def test_weight_decay_skips_ssm_parameters():
 
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.json")), ids=lambda p: p.name)
 def test_shipped_configs_parse(path):
-    # names: TASK-mambaV[-VARIANT] or TASK-hybrid[-VARIANT] (Mamba-2 sublayers with attention), VARIANT
-    # an activation (relu, identity), the init ("default") or a curriculum stage
+    # names: TASK-mambaV[-VARIANT] or TASK-hybrid[-KIND][-VARIANT] (attention with Mamba-2 sublayers, or
+    # with KIND's: gdn, default init), VARIANT an activation (relu, identity), the init ("default") or a
+    # curriculum stage
     tc = tr.TrainConfig.from_json(path)
     task, version, *variant = path.stem.split("-")
     assert tc.task["name"] == task
+    recurrent = "mamba2"
     if version == "hybrid":
-        assert tc.model.version == 2 and "attention" in tc.model.kinds
+        if variant and variant[0] in ("gdn", "kda"):
+            recurrent, variant = variant[0], variant[1:]
+        assert "attention" in tc.model.kinds and recurrent in tc.model.kinds
     else:
         assert tc.model.version == int(version[-1]) and not tc.model.is_hybrid
     assert tc.model.vocab_size >= tc.task["vocab_size"]
     variant = variant[0] if variant else None
     assert tc.model.activation == (variant if variant in ("relu", "identity") else "silu")
-    assert tc.init == ("default" if variant == "default" else "mimetic")
+    default = variant == "default" or not recurrent.startswith("mamba")  # mimetic init is Mamba's
+    assert tc.init == ("default" if default else "mimetic")
 
 
 def test_bad_configs_are_rejected():
