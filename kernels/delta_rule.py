@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.scipy.linalg import solve_triangular as _lapack_solve
+from jax.scipy.linalg import solve_triangular
 
 from latim_jax.kernels import f32
 
@@ -62,7 +62,7 @@ def solve_unit_lower(U, B):
     U, B = jnp.asarray(U), jnp.asarray(B)
     return jax.lax.platform_dependent(
         U, B, cpu=_substitute,
-        default=lambda U, B: _lapack_solve(U, B, lower=True, unit_diagonal=True),
+        default=lambda U, B: solve_triangular(U, B, lower=True, unit_diagonal=True),
     )  # fmt: skip
 
 

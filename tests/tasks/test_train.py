@@ -148,7 +148,7 @@ def test_shipped_configs_parse(path):
     if version == "hybrid":
         if variant and variant[0] in ("gdn", "kda"):
             recurrent, variant = variant[0], variant[1:]
-        assert "attention" in tc.model.kinds and recurrent in tc.model.kinds
+        assert tc.model.version == 2 and "attention" in tc.model.kinds and recurrent in tc.model.kinds
     else:
         assert tc.model.version == int(version[-1]) and not tc.model.is_hybrid
     assert tc.model.vocab_size >= tc.task["vocab_size"]
