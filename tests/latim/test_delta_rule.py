@@ -402,18 +402,24 @@ def test_the_kda_mixer_equals_transformers_kimi_delta_attention():
     assert rel_err(mixer(jnp.asarray(x), mask=jnp.ones((2, 37), bool)), want) < 1e-5
 
 
-def test_the_unit_lower_solve_equals_float64_and_calls_no_lapack_on_cpu():
-    """The chunk algebra's U^-1 B: equal to numpy's float64 solve, with its gradient, and on CPU no LAPACK
-    custom call in the compiled program (jaxlib's CPU trsm intermittently deadlocked training steps)."""
+@pytest.mark.parametrize("C", [6, 64])
+def test_the_unit_lower_solve_equals_float64_and_calls_no_lapack_on_cpu(C):
+    """The chunk algebra's U^-1 B: equal to numpy's float64 solve, with its gradient, reading only U's
+    strictly lower part (a unit diagonal, as the solve it replaces), at a chunk that is a power of two
+    and one that is padded to one; and on CPU no LAPACK custom call in the compiled program (jaxlib's
+    CPU trsm intermittently deadlocked training steps)."""
     rng = np.random.default_rng(3)
-    U = np.eye(6) + np.tril(rng.normal(size=(2, 3, 6, 6)), -1) * 0.5
-    B = rng.normal(size=(2, 3, 6, 5))
+    U = np.eye(C) + np.tril(rng.normal(size=(2, 3, C, C)), -1) * (0.5 if C < 16 else 0.15)
+    B = rng.normal(size=(2, 3, C, 5))
     U32, B32 = U.astype(np.float32), B.astype(np.float32)
     assert rel_err(delta_rule.solve_unit_lower(U32, B32), np.linalg.solve(U, B)) < 1e-5
-    # d X[5, 1] / d U = -(U^-T e_5) X[:, 1]^T: the strictly lower part is what the solve reads
-    grad = jax.grad(lambda u: delta_rule.solve_unit_lower(u, B32)[0, 0, 5, 1])(U32)
+    junk = U32 + np.triu(rng.normal(size=U.shape), 0).astype(np.float32)  # diagonal and above: unread
+    assert np.array_equal(delta_rule.solve_unit_lower(junk, B32), delta_rule.solve_unit_lower(U32, B32))
+    # d X[5, 1] / d U = -(U^-T e_5) X[:, 1]^T on the strictly lower part, 0 on the unread part
+    grad = np.asarray(jax.grad(lambda u: delta_rule.solve_unit_lower(u, B32)[0, 0, 5, 1])(U32))
     X = np.linalg.solve(U[0, 0], B[0, 0])
-    ref = -np.outer(np.linalg.solve(U[0, 0].T, np.eye(6)[5]), X[:, 1])
-    assert rel_err(np.tril(np.asarray(grad[0, 0]), -1), np.tril(ref, -1)) < 1e-4
+    ref = -np.outer(np.linalg.solve(U[0, 0].T, np.eye(C)[5]), X[:, 1])
+    assert rel_err(np.tril(grad[0, 0], -1), np.tril(ref, -1)) < 1e-4
+    assert not np.triu(grad, 0).any()
     text = jax.jit(delta_rule.solve_unit_lower).lower(U32, B32).compile().as_text()
     assert "custom-call" not in text and "custom_call_target" not in text  # the LAPACK solve is one
