@@ -286,10 +286,12 @@ def attribute(
         "minmax" (None: the default), "abs" or "signed" (see :mod:`latim_jax.latim.hidden_attention`);
         given with another method it is refused (ValueError), since no other method reads it.
       inputs_embeds: (B, L, d) embeddings instead of ``tokens`` (then ``result.tokens`` is None).
-      mesh: a ``jax.sharding.Mesh`` with axes "data" and/or "model" (see :mod:`latim_jax.parallel.mesh`):
-        prompts are split over "data", the layers run model-parallel over "model" and each layer's
-        target rows are split over "model"; the model is laid out on the mesh first (in place) unless
-        it already is. The result is the same as without a mesh, to float rounding.
+      mesh: a ``jax.sharding.Mesh`` with axes among "data", "model" and "seq" (see :mod:`latim_jax.
+        parallel.mesh`): prompts are split over "data", the layers run model-parallel over "model" and
+        each layer's target rows are split over "model"; "seq" splits each prompt's length in the
+        forward and each layer's source columns in the scores (every kind that declares
+        ``LayerKind.splits_sequence``); the model is laid out on the mesh first (in place) unless it
+        already is. The result is the same as without a mesh, to float rounding.
       top_k: keep only the k strongest sources of each target row (scores (B, n_layers, R, k) in
         decreasing order, positions in ``extra["sources"]``); the full matrix of one layer at a time
         is still computed, but the output is O(R k) per layer.
@@ -332,7 +334,7 @@ def attribute(
     job = layer_job(method=method, mode=mode, aggregation=aggregation, precision=precision, blocks=blocks,
                     hold_fixed=hold_fixed)  # fmt: skip
     limit = _memory_limit(memory_limit)  # validated before any work
-    ctx = context(model, impl, mesh)
+    ctx = context(model, impl, mesh, sequence=True)
     x = model.prepare_inputs(tokens, mask, inputs_embeds, ctx, bucket=bucket)
     req = request(
         model, job, x.length, is_traced(x.h), layers=layers, rows=rows, top_k=top_k, out_dtype=out_dtype,

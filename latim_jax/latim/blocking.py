@@ -38,7 +38,7 @@ def row_tiles(rows, tile_rows: int):
     return padded.reshape(n, tile_rows)
 
 
-def blocked(tile, rows, length: int, blocks: Blocks, *, init=None, combine=None):
+def blocked(tile, rows, length: int, blocks: Blocks, *, init=None, combine=None, columns=None):
     """Run ``tile(row_tile, j0)`` on every causal (row tile, column tile) pair, in one flat loop.
 
     ``tile`` returns the tile's block (b, tile_rows, blocks.cols, ...) or None; with ``init`` (a pytree)
@@ -46,6 +46,12 @@ def blocked(tile, rows, length: int, blocks: Blocks, *, init=None, combine=None)
     accumulator (``ri``: the row tile's index), so reductions over tiles (a running min and max, a sum
     per row) need no stacked per-tile output. Returns the blocks stitched to (b, len(rows), length,
     ...), or None, and with ``init`` the (blocks, accumulator) pair.
+
+    ``columns``: (start, width), the sources [start, start + width) only (a device's share of the
+    columns when a mesh's "seq" axis splits the length; ``start`` may be traced, ``width`` is static):
+    the tiles' ``j0`` run from ``start`` and the blocks are stitched to (b, len(rows), width, ...). The
+    static schedule then visits the pairs causal for start = 0, a superset of the causal ones (the
+    extra tiles hold zeros, and every score masks them again).
 
     ``rows`` as a numpy array (known when the program is traced: every row, the usual case) gives a
     static schedule: the loop visits only the causal pairs, with no branch. A traced ``rows`` visits
@@ -61,14 +67,15 @@ def blocked(tile, rows, length: int, blocks: Blocks, *, init=None, combine=None)
     accumulators alive: compiled temporaries of one 130m Mamba-1 layer's gradient at L = 4096, 1.08 ->
     0.89 GiB).
     """
-    n_cb = -(-length // blocks.cols)
+    start, width = (0, length) if columns is None else columns
+    n_cb = -(-width // blocks.cols)
     static = isinstance(rows, np.ndarray)
     rows_t = row_tiles(rows, blocks.rows)  # (n_rb, br)
     n_rb = rows_t.shape[0]
     folding = init is not None
 
-    def compute(acc, ri, j0):
-        out = tile(jnp.asarray(rows_t)[ri], j0)
+    def compute(acc, ri, j0):  # j0: the tile's first column relative to start
+        out = tile(jnp.asarray(rows_t)[ri], start + j0)
         if not folding:
             return out, acc
         out, part = out
@@ -95,7 +102,7 @@ def blocked(tile, rows, length: int, blocks: Blocks, *, init=None, combine=None)
             def skip(acc, ri, j0):
                 return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shape), acc
 
-            out, acc = jax.lax.cond(j0 <= jnp.max(rows_t[ri]), compute, skip, acc, ri, j0)
+            out, acc = jax.lax.cond(start + j0 <= jnp.max(rows_t[ri]), compute, skip, acc, ri, j0)
             return acc, out
 
     acc, out = jax.lax.scan(step, init, xs)  # out (n_steps, b, br, bc, ...) or None
@@ -108,5 +115,5 @@ def blocked(tile, rows, length: int, blocks: Blocks, *, init=None, combine=None)
         out = jnp.moveaxis(out, 2, 0)  # (b, n_rb, n_cb, br, bc, ...)
         tail = out.shape[5:]
         out = jnp.swapaxes(out, 2, 3).reshape(out.shape[0], n_rb * blocks.rows, n_cb * blocks.cols, *tail)
-        out = out[:, : rows.shape[0], :length]
+        out = out[:, : rows.shape[0], :width]
     return (out, acc) if folding else out

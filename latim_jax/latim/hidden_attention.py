@@ -50,14 +50,17 @@ def _m1_mean(ssm: SSM, rows, j0, blocks: Blocks):
     )  # fmt: skip
 
 
-def hidden_attention_scores(ssm: SSM, rows, mask, blocks: Blocks, aggregation: str):
+def hidden_attention_scores(ssm: SSM, rows, mask, blocks: Blocks, aggregation: str, columns=None):
     """The hidden-attention map (b, len(rows), l) with one of :data:`AGGREGATIONS` (module docstring),
     before the causal and padding mask. minmax needs the per-prompt range of M over the whole causal
     triangle: Mamba-2 takes it from the map's own tiles when ``rows`` reach every position, else (and
     always for Mamba-1, whose far tiles never form M) a range pass that keeps only a running min and
-    max (no (l, l) intermediate)."""
+    max (no (l, l) intermediate). ``columns``: (start, width), the sources [start, start + width) only
+    (:func:`latim_jax.latim.blocking.blocked`; "abs" and "signed": the range spans other columns)."""
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"aggregation must be one of {AGGREGATIONS}, found {aggregation!r}")
+    if columns is not None and aggregation == "minmax":
+        raise ValueError("a column window of the minmax map needs the whole range: take 'signed' and rescale")
 
     def tile(rb, j0):
         if ssm.version == 1 and aggregation != "abs":
@@ -68,7 +71,7 @@ def hidden_attention_scores(ssm: SSM, rows, mask, blocks: Blocks, aggregation: s
     if aggregation == "minmax" and ssm.version == 2:  # the map and its range from the same tiles
         s, lo, hi = _m2_mean_and_range(ssm, rows, mask, blocks)
     else:
-        s = blocked(tile, rows, ssm.length, blocks)
+        s = blocked(tile, rows, ssm.length, blocks, columns=columns)
         if aggregation != "minmax":
             return s
         lo, hi = hidden_attention_range(ssm, mask, blocks)

@@ -40,7 +40,7 @@ from latim_jax.latim.hidden_attention import (
 )
 from latim_jax.latim.kinds import has_ssm, project
 from latim_jax.parallel.context import XLA, Context
-from latim_jax.parallel.mesh import DATA, MODEL, P
+from latim_jax.parallel.mesh import DATA, MODEL, SEQ, P
 
 LATIM_METHODS = ("l2", "l1", "alti", "logit")
 METHODS = LATIM_METHODS + ("hidden_attention", "grad_input")
@@ -86,7 +86,9 @@ def _alti_raw(f, T, rows, j0):
     return jnp.maximum(0.0, jnp.sum(gain, -1))
 
 
-def blocked_scores(f, method: str, rows, aux=None, *, blocks: Blocks | None = None, precision="float32"):
+def blocked_scores(
+    f, method: str, rows, aux=None, *, blocks: Blocks | None = None, precision="float32", columns=None
+):
     """The tiled XLA path: unnormalised scores (b, len(rows), l) (alti before its row normalisation;
     "logit+alti": (b, r, l, 2)). The fused kernel's reference: its tests compare the two, and its
     backward is this function's VJP.
@@ -95,14 +97,16 @@ def blocked_scores(f, method: str, rows, aux=None, *, blocks: Blocks | None = No
     (:class:`~latim_jax.kernels.block_sizes.Blocks`): the same values, in one loop of smaller tiles, so
     the backward holds a smaller tile's copies while the plain forward keeps its faster tiles. Smaller
     tiles in the one loop, not passes inside each tile: a loop of passes would accumulate its own
-    full-size cotangents of the closed-over factors (see :func:`~latim_jax.latim.blocking.blocked`)."""
+    full-size cotangents of the closed-over factors (see :func:`~latim_jax.latim.blocking.blocked`).
+    ``columns``: (start, width), the sources [start, start + width) only: (b, len(rows), width)."""
     rows = as_rows(rows)
     blocks = f.tiles(rows.shape[0], blocks)
 
     def scores(f, aux, blocks):
-        return blocked(
-            lambda rb, j0: pair_score(f, method, rb, j0, blocks, aux, precision), rows, f.length, blocks
-        )
+        def tile(rb, j0):
+            return pair_score(f, method, rb, j0, blocks, aux, precision)
+
+        return blocked(tile, rows, f.length, blocks, columns=columns)
 
     t = blocks.tangent_rows
     if t is None or t >= blocks.rows:
@@ -142,6 +146,8 @@ def layer_scores(
     ``aggregation``: hidden attention only; ``precision``: the projection onto W_out in fp32 or bf16
     with fp32 accumulation (:func:`project`; the fused kernel: DEFAULT matmul precision).
     """
+    if ctx.axis_size(SEQ) > 1:
+        return _sequence_layer_scores(f, method, rows, mask, blocks, aux, ctx, aggregation, precision)
     if ctx.split:
         return _split_layer_scores(f, method, rows, mask, blocks, aux, ctx, aggregation, precision)
     if method == "hidden_attention":
@@ -208,6 +214,69 @@ def _split_layer_scores(f, method, rows, mask, blocks, aux, ctx: Context, aggreg
     return jax.tree.map(lambda s: s[:, :r], out)
 
 
+def _sequence_layer_scores(f, method, rows, mask, blocks, aux, ctx: Context, aggregation, precision):
+    """:func:`layer_scores` when the mesh's "seq" axis splits the length: inside ``jax.shard_map``,
+    prompts over "data", target rows over "model" (as :func:`_split_layer_scores`), and the source
+    columns over "seq": the device at seq index s scores every asked row against the sources
+    [s w, (s + 1) w), w = l / D (the layer's length is a multiple of D: the forward pads it), so the
+    score work and the output are split D ways. Each device holds the whole layer's factors (gathered
+    from the sequence-split forward that built them: O(l e) per device for the scored layer). What
+    crosses devices besides: alti's row sums (a psum over "seq" before the normalisation) and minmax's
+    range (each device takes its share of every row, a pmin / pmax over "model" and "seq"). The tiles
+    run on the XLA path (the fused score kernel takes no column window).
+
+    Returns the scores (b, r, l) split over "seq" on their last axis (and the pair for "logit+alti")."""
+    b, r, length = f.h.shape[0], rows.shape[0], f.length
+    m, d = ctx.axis_size(MODEL), ctx.axis_size(SEQ)
+    if length % d:
+        raise ValueError(f'the "seq" axis ({d} devices) must divide the layer\'s length {length}')
+    width = length // d
+    data = ctx.axis(DATA) if b % ctx.axis_size(DATA) == 0 else None
+    rows_p = row_tiles(rows, m).reshape(-1)
+    batch = P(data)
+    specs = factor_specs(f, batch, data)
+    minmax = method == "hidden_attention" and aggregation == "minmax"
+    devices = m * d
+    all_rows = row_tiles(jnp.arange(length), devices).reshape(devices, -1)  # each device's share of every row
+    axes = tuple(a for a in (ctx.axis(MODEL), SEQ) if a is not None)
+
+    tiles_ = f.tiles(rows_p.shape[0] // m, blocks)
+    if tiles_.cols > width:  # a tile no wider than a device's share of the columns
+        tiles_ = dataclasses.replace(tiles_, cols=width)
+
+    def scores(f, rows, aux, mask):
+        start = jax.lax.axis_index(SEQ) * width
+        columns = (start, width)
+        if method == "hidden_attention":
+            signed = "signed" if minmax else aggregation
+            if has_ssm(f):
+                s = hidden_attention_scores(f.ssm, rows, mask, tiles_, signed, columns=columns)
+            else:
+                s = blocked(lambda rb, j0: f.attention_map(rb, j0, tiles_.cols), rows, length, tiles_,
+                            columns=columns)  # fmt: skip
+            if minmax and has_ssm(f):
+                share = all_rows[jax.lax.axis_index(axes)]
+                lo, hi = hidden_attention_range(f.ssm, mask, tiles_, share)
+                s = minmax_normalise(s, jax.lax.pmin(lo, axes), jax.lax.pmax(hi, axes))
+            return finish_scores(s, method, rows, mask, start, SEQ)
+        if f.form == "diagonal":
+            s = jax.lax.dynamic_slice_in_dim(f.diagonal_scores(method, rows, aux), start, width, axis=2)
+        else:
+            s = blocked_scores(f, method, rows, aux, blocks=tiles_, precision=precision, columns=columns)
+        if method == "logit+alti":
+            return (finish_scores(s[..., 0], "logit", rows, mask, start, SEQ),
+                    finish_scores(s[..., 1], "alti", rows, mask, start, SEQ))  # fmt: skip
+        return finish_scores(s, method, rows, mask, start, SEQ)
+
+    aux_spec = None if aux is None else batch
+    out_spec = P(data, ctx.axis(MODEL), SEQ)
+    out = jax.shard_map(
+        scores, mesh=ctx.mesh, in_specs=(specs, P(ctx.axis(MODEL)), aux_spec, batch),
+        out_specs=(out_spec, out_spec) if method == "logit+alti" else out_spec, check_vma=False,
+    )(f, rows_p, aux, mask)  # fmt: skip
+    return jax.tree.map(lambda s: s[:, :r], out)
+
+
 def factor_specs(f, batch, data):
     """The PartitionSpecs of the factors ``f`` inside the score stage's shard_map: every per-prompt array
     split over "data" (``batch``), the output matrix and the SSM's A, D replicated, the Mamba tap values
@@ -224,26 +293,36 @@ def factor_specs(f, batch, data):
     return specs
 
 
-def kept_pairs(rows, length: int, mask):
-    """(b, r, l) bool: source j <= target i, both real positions (``mask`` (b, l) bool)."""
-    causal = (jnp.arange(length)[None, :] <= rows[:, None])[None]
-    return causal & mask[:, rows, None] & mask[:, None, :]
+def kept_pairs(rows, length: int, mask, start=0):
+    """(b, r, length) bool: source j <= target i, both real positions (``mask`` (b, l) bool). ``start``:
+    the first source column when ``length`` is a window of the l columns (a device's share of them on
+    a mesh's "seq" axis; may be traced)."""
+    cols = start + jnp.arange(length)
+    causal = (cols[None, :] <= rows[:, None])[None]
+    whole = isinstance(start, int) and start == 0 and length == mask.shape[1]
+    valid = mask if whole else jax.lax.dynamic_slice_in_dim(mask, start, length, axis=1)
+    return causal & mask[:, rows, None] & valid[:, None, :]
 
 
-def finish_scores(s, method: str, rows, mask):
+def finish_scores(s, method: str, rows, mask, start=0, seq=None):
     """Zero every pair above the diagonal or touching padding, explicitly (float noise of two reductions
-    is not zero); alti rows are then normalised over their kept entries and masked again."""
-    keep = kept_pairs(rows, s.shape[-1], mask)
+    is not zero); alti rows are then normalised over their kept entries and masked again. ``start``,
+    ``seq``: s holds the source columns [start, start + w) of rows split over the mesh axis ``seq``
+    (alti's row sums then add over it)."""
+    keep = kept_pairs(rows, s.shape[-1], mask, start)
     s = jnp.where(keep, s, 0.0)
     if method == "alti":
-        s = jnp.where(keep, normalise_alti(s, rows), 0.0)
+        s = jnp.where(keep, normalise_alti(s, rows, start, seq), 0.0)
     return s
 
 
-def normalise_alti(s, rows):
-    """Divide each row by its sum; a row with no positive entry becomes one-hot on j = i."""
+def normalise_alti(s, rows, start=0, seq=None):
+    """Divide each row by its sum; a row with no positive entry becomes one-hot on j = i. ``start``,
+    ``seq``: as :func:`finish_scores`."""
     total = jnp.sum(s, -1, keepdims=True)
-    self_hot = (jnp.arange(s.shape[-1])[None, :] == rows[:, None]).astype(s.dtype)
+    if seq is not None:
+        total = jax.lax.psum(total, seq)
+    self_hot = ((start + jnp.arange(s.shape[-1]))[None, :] == rows[:, None]).astype(s.dtype)
     zero = total == 0
     return jnp.where(zero, self_hot, s / jnp.where(zero, 1.0, total))
 

@@ -88,16 +88,17 @@ def on_mesh(model, mesh: Mesh) -> bool:
 
 
 def check_sequence(model, mesh: Mesh, *, sequence: bool) -> None:
-    """Refuse a mesh whose "seq" axis splits the length where the call or a layer kind cannot: only the
-    forward (``sequence`` True: logits) splits it so far, and only over the kinds that declare it
-    (``LayerKind.splits_sequence``: :func:`latim_jax.model.kind.sequence_kinds`)."""
+    """Refuse a mesh whose "seq" axis splits the length where the call or a layer kind cannot: the
+    forward (logits: ``MambaLM.forward`` / ``__call__``) and :func:`latim_jax.attribute` split it
+    (``sequence`` True), and only over the kinds that declare it (``LayerKind.splits_sequence``:
+    :func:`latim_jax.model.kind.sequence_kinds`)."""
     d = Context(mesh=mesh).axis_size(SEQ)
     if d <= 1:
         return
     if not sequence:
         raise ValueError(
-            f'the mesh\'s "seq" axis (size {d}) splits the forward (logits: MambaLM.forward / __call__) '
-            'only so far; attribution runs on meshes over "data" and "model" (issue 43 item 1)'
+            f'the mesh\'s "seq" axis (size {d}) splits the forward (logits) and attribute only; this call '
+            'runs on meshes over "data" and "model"'
         )
     for i, block in enumerate(model.layers):
         if not kind_of(block.kind).splits_sequence:
@@ -111,8 +112,8 @@ def check_sequence(model, mesh: Mesh, *, sequence: bool) -> None:
 def context(model, impl="auto", mesh: Mesh | None = None, *, sequence: bool = False) -> Context:
     """The execution context of a call on ``model``: ``impl`` resolved (:func:`latim_jax.parallel.
     context.resolve`) and, with a mesh, the model laid out on it first (in place) unless it already is.
-    ``sequence``: the call can split the length over a "seq" axis (the forward); else such a mesh is
-    refused (:func:`check_sequence`)."""
+    ``sequence``: the call can split the length over a "seq" axis (the forward, attribute); else such a
+    mesh is refused (:func:`check_sequence`)."""
     if mesh is None:
         return resolve(impl)
     mesh = check_mesh(mesh)

@@ -8,11 +8,13 @@ A mesh has up to three named axes (any may be absent or of size 1):
   device fits; the residual stream stays replicated over "model". The score stage splits the target
   rows over "model" (rows are independent given the layer's factors), which is what lets one long
   prompt use every device.
-- "seq": the length of each prompt, in the forward (logits) only so far. Each device holds a
+- "seq": the length of each prompt, in the forward (logits) and ``attribute``. Each device holds a
   contiguous run of l / D positions; the causal conv reads a halo of the previous shard's last k-1
   inputs, the scans carry their state across shards by an all_gather of per-shard summaries, and
   attention gathers the keys and values (:mod:`latim_jax.parallel.sequence`). The length is padded
-  to a multiple of D (padding positions are masked, cut from the logits).
+  to a multiple of D (padding positions are masked, cut from the logits). The score stage splits the
+  source columns over it (each device scores the asked rows against its own l / D sources, from the
+  layer's factors gathered whole: :func:`latim_jax.latim.scores.layer_scores`).
 
 Under jit, XLA's SPMD partitioner places the pure-JAX (XLA) path from these shardings. Pallas kernels
 are custom calls it cannot partition, so the dispatchers wrap each in ``jax.shard_map``: the scans over

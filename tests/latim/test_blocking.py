@@ -302,3 +302,21 @@ def test_decay_tiles_equal_the_definition(name):
         expect[:, :, ok] = want[:, rows][:, :, cols[ok]]
         assert np.abs(expect).max() > 0
         np.testing.assert_allclose(got, expect, rtol=2e-5, atol=1e-6 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_a_column_window_equals_those_columns_of_the_whole_map(traced):
+    """blocked(..., columns=(start, width)) (a device's share of the sources on a "seq" axis, start
+    traced) is exactly the window of the whole map, with the static schedule and with the traced one,
+    for windows at the start, inside and at the end, and a width the tiles do not divide."""
+    from latim_jax.latim.scores import blocked_scores
+
+    model, h, mask = _model("m2")
+    f = layer_factors(model, h, 0, "exact", mask=mask, impl="xla")
+    rows = np.array([2, 6, 12])
+    rows = jnp.asarray(rows) if traced else rows
+    whole = blocked_scores(f, "l2", rows, blocks=BLOCKS)
+    window = jax.jit(lambda start: blocked_scores(f, "l2", rows, blocks=BLOCKS, columns=(start, 5)))
+    for start in (0, 4, 8):
+        assert np.array_equal(window(start), whole[:, :, start : start + 5]), start
+    assert float(jnp.abs(whole[:, :, 8:]).max()) > 0

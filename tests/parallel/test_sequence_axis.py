@@ -3,8 +3,8 @@ simulated CPU devices in a subprocess (the device count must be set before jax s
 Mamba-2 (chunks shorter than a shard, so chunk and shard boundaries both cross), a hybrid with
 attention, MLP and experts, parallel blocks (Falcon-H1: Mamba-2 beside attention) and shared blocks
 (Zamba2: a transformer block over [h; h^0] feeding Mamba-2), left padding across a shard boundary, a
-length that "seq" does not divide; the refusal of attribution. The delta-rule kinds and MLA, and the
-refusal of a kind without a split: tests/parallel/test_sequence_delta.py."""
+length that "seq" does not divide. The delta-rule kinds and MLA, and the refusal of a kind without a
+split: tests/parallel/test_sequence_delta.py; attribution over "seq": test_sequence_attribution.py."""
 
 from __future__ import annotations
 
@@ -64,13 +64,6 @@ SCRIPT = textwrap.dedent(
         print(f"REL {name} {mesh_name} {impl} {err:.2e}")
         assert err < TOL, (name, mesh_name, impl, err)
 
-    mesh = Mesh(devices, ("seq",))
-    model = latim_jax.MambaLM(CFG[2], init_params(CFG[2], 1))
-    try:
-        latim_jax.attribute(model, tokens[:1, :16], method="logit", impl="xla", mesh=mesh)
-        raise AssertionError("attribute over a seq mesh was not refused")
-    except ValueError as e:
-        assert "splits the forward" in str(e), e
     print("OK")
     """
 ) % {"tol": TOL}

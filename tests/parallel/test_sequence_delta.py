@@ -142,7 +142,7 @@ def test_a_kind_that_does_not_declare_the_seq_axis_is_refused_by_name():
     message = str(e.value)
     assert "kinds that can: " in message and "gdn, kda" in message and "shared," not in message
     check_sequence(model, SEQ_MESH, sequence=True)  # declared again: accepted
-    with pytest.raises(ValueError, match="splits the forward"):  # attribution: refused for every kind
+    with pytest.raises(ValueError, match="splits the forward"):  # a call that cannot split: refused
         check_sequence(_model("gdn", **DELTA), SEQ_MESH, sequence=False)
     check_sequence(model, AbstractMesh((1, 8), ("seq", "data")), sequence=True)  # a "seq" of 1: no split
 
