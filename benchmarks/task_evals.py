@@ -1,7 +1,7 @@
 """Regenerate the task-evaluation tables recorded in benchmarks/ (and quoted in the README).
 
-Usage: python benchmarks/task_evals.py [--only copy mqar variants align needle hybrid] [--versions 1 2]
-                                       [--n 128]
+Usage: python benchmarks/task_evals.py [--only copy mqar variants align needle hybrid gdn-hybrid]
+                                       [--versions 1 2] [--n 128]
                                        [--variants DIR] [--align-n 512] [--needle-n 32]
                                        [--lengths 512 2048 8192]
 
@@ -17,6 +17,7 @@ needle:      the shipped needle models at each length, retrieval accuracy and at
              of the query rows (latim_jax.tasks.evaluate_needle) -> needle_eval_mamba{v}.{md,json}
 hybrid:      the shipped hybrid needle model (Mamba-2 + attention), with and without its attention
              output: accuracy and per-sublayer maps (latim_jax.tasks.hybrid_needle) -> hybrid_needle.{md,json}
+gdn-hybrid:  the same for the shipped Gated DeltaNet hybrid (GDN + attention) -> hybrid_needle_gdn.{md,json}
 
 All on the same held-out sequences (seed 10000); each file is written atomically. Without --only,
 every table except variants (which needs --variants) is regenerated.
@@ -48,9 +49,8 @@ def _write(stem: str, table: str, report) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--only", nargs="+", default=None, choices=("copy", "mqar", "variants", "align", "needle", "hybrid")
-    )
+    tables = ("copy", "mqar", "variants", "align", "needle", "hybrid", "gdn-hybrid")
+    parser.add_argument("--only", nargs="+", default=None, choices=tables)
     parser.add_argument("--n", type=int, default=128, help="held-out sequences")
     parser.add_argument("--versions", type=int, nargs="+", default=[1, 2], choices=(1, 2))
     parser.add_argument("--variants", default=None, help="directory holding the variant models")
@@ -59,7 +59,7 @@ def main(argv=None) -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=list(en.LENGTHS), help="needle lengths")
     args = parser.parse_args(argv)
     if args.only is None:
-        args.only = ["copy", "mqar", "align", "needle", "hybrid"] + (["variants"] if args.variants else [])
+        args.only = [t for t in tables if t != "variants" or args.variants]
     for v in args.versions:
         if "copy" in args.only:
             model = latim_jax.load(f"copy-mamba{v}")
@@ -87,11 +87,13 @@ def main(argv=None) -> None:
                 models[path.name].source = path.name
             reports = ev.compare_models(models, n_sequences=args.n)
             _write(f"variants_mamba{v}", ev.format_comparison_table(reports), reports)
-    if "hybrid" in args.only:
-        report = hn.where_retrieved(
-            latim_jax.load("needle-hybrid"), lengths=tuple(args.lengths), n_sequences=args.needle_n
-        )
-        _write("hybrid_needle", hn.format_report(report), report)
+    for name, model_name, stem in (("hybrid", "needle-hybrid", "hybrid_needle"),
+                                   ("gdn-hybrid", "needle-hybrid-gdn", "hybrid_needle_gdn")):  # fmt: skip
+        if name in args.only:
+            report = hn.where_retrieved(
+                latim_jax.load(model_name), lengths=tuple(args.lengths), n_sequences=args.needle_n
+            )
+            _write(stem, hn.format_report(report), report)
 
 
 if __name__ == "__main__":

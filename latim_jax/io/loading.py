@@ -16,7 +16,7 @@ from latim_jax.model.lm import MambaLM
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 SHIPPED = (
     "copy-mamba1", "copy-mamba2", "mqar-mamba1", "mqar-mamba2", "align-mamba1", "align-mamba2",
-    "needle-mamba1", "needle-mamba2", "needle-hybrid",
+    "needle-mamba1", "needle-mamba2", "needle-hybrid", "needle-hybrid-gdn",
 )  # fmt: skip
 DEFAULT_MODEL = "copy-mamba2"
 

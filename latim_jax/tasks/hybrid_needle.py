@@ -1,4 +1,5 @@
-"""Where does a hybrid retrieve? The needle task on a model with Mamba-2 and attention sublayers: its
+"""Where does a hybrid retrieve? The needle task on a model with Mamba-2 or Gated DeltaNet sublayers and
+attention (the shipped needle-hybrid and needle-hybrid-gdn, or any hybrid loaded with a needle task): its
 retrieval accuracy and, per sublayer, how strongly each LaTIM map points at the needle, next to the
 same model with its attention sublayers' output removed (the ablation).
 

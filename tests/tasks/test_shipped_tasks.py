@@ -72,16 +72,24 @@ def test_shipped_task_records_are_complete(name):
     model.check_tokens(batch.tokens)
 
 
-def test_shipped_hybrid_retrieves_and_its_maps_add_up():
-    """needle-hybrid (Mamba-2, attention, Mamba-2) retrieves at 1024 with and without its attention
-    output (measured on these 8 sequences, seed 123: accuracy 1.000 both), and per sublayer the report
-    holds the kinds, AUCs in [0, 1] and the needle's logit push; the attention sublayer's maps of the
-    ablated model are all zero, so its AUC is exactly the tie value 0.5 and its push 0."""
+@pytest.mark.parametrize(
+    "name, kinds, length",
+    [
+        ("needle-hybrid", ("mamba2", "attention", "mamba2"), 1024),
+        ("needle-hybrid-gdn", ("gdn", "attention", "gdn"), 512),
+    ],
+)
+def test_shipped_hybrid_retrieves_and_its_maps_add_up(name, kinds, length):
+    """The shipped hybrids retrieve with and without their attention output (needle-hybrid at 1024,
+    needle-hybrid-gdn at 512; measured on these 8 sequences, seed 123: accuracy 1.000 both for each),
+    and per sublayer the report holds the kinds, AUCs in [0, 1] and the needle's logit push; the
+    attention sublayer's maps of the ablated model are all zero, so its AUC is exactly the tie value
+    0.5 and its push 0."""
     from latim_jax.tasks.hybrid_needle import where_retrieved
 
-    model = latim_jax.load("needle-hybrid")
-    assert model.config.kinds == ("mamba2", "attention", "mamba2") and model.task["name"] == "needle"
-    report = where_retrieved(model, lengths=(1024,), settings={"multi": (4, 2)}, n_sequences=8, seed=123)
+    model = latim_jax.load(name)
+    assert model.config.kinds == kinds and model.task["name"] == "needle"
+    report = where_retrieved(model, lengths=(length,), settings={"multi": (4, 2)}, n_sequences=8, seed=123)
     (entry,) = report["results"]
     full, removed = entry["models"]["full"], entry["models"]["attention removed"]
     assert full["accuracy"] >= 0.9 and removed["accuracy"] >= 0.5
