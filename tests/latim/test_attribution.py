@@ -423,6 +423,7 @@ def test_mamba1_tiles_equal_the_definition():
         assert rel(got, _m1_hidden_attention_by_definition(f.ssm, rows, cols)) < TOL["fp32"], (rows, cols)
 
 
+@pytest.mark.slow  # the library's own tile algebra: the 3.12 run keeps the faster tile tests
 def test_mamba1_far_pair_values_rebuild_the_output_and_their_gradient_matches_finite_differences():
     """Mamba-1 pair values on far tiles (the factored decay, kernels.decay.far_factors; with at most
     Blocks.m1_few_rows rows, the direct form) and one near tile for the remaining sources add up, with
@@ -455,6 +456,7 @@ def test_mamba1_far_pair_values_rebuild_the_output_and_their_gradient_matches_fi
         assert abs(analytic - numeric) <= TOL["grad_fd"] * abs(numeric), (blocks, analytic, numeric)
 
 
+@pytest.mark.slow  # the library's own tile algebra: the 3.12 run keeps the faster tile tests
 def test_mamba1_direct_form_in_row_chunks_equals_one_pass(monkeypatch):
     """The near tiles' direct form run in passes of Blocks.m1_direct_rows target rows (4 here, so 8-
     and 12-row tiles split; 6 rows do not divide and run in one pass) gives the one-pass values and

@@ -62,7 +62,6 @@ SCRIPT = textwrap.dedent(
         (2, "alti", (2, 4), "xla", "full"),      # data + model parallel, rows split, GSPMD forward
         (2, "l2", (2, 4), "pallas", "full"),     # the SSD kernel (groups gathered per head) + fused scores
         (1, "logit", (1, 8), "pallas", "long"),  # one long prompt: rows over 8 devices, scan channels split
-        (1, "hidden_attention", (8, 1), "xla", "full"),  # data-parallel, batch padded 3 -> 8
         (1, "hidden_attention", (1, 8), "xla", "full"),  # minmax's range once, rows over 8 devices
         ("h", "alti", (2, 4), "xla", "full"),    # every hybrid kind, rows split
         ("h", "logit", (1, 8), "pallas", "long"),  # the kernel for the SSM, the tile loop for the rest

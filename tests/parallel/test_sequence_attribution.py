@@ -56,15 +56,14 @@ SCRIPT = textwrap.dedent(
     MESHES = {"seq=8": ((8,), ("seq",)), "data=2 x seq=4": ((2, 4), ("data", "seq")),
               "data=2 x seq=2 x model=2": ((2, 2, 2), ("data", "seq", "model"))}
     ROWS = [5, 40, 92]  # in the first shard, across the padding, the last token
-    RUNS = [  # (model, mesh, method, options)
+    RUNS = [  # (model, mesh, method, options): each kind and each method at least once (CI time: not all)
         ("mamba1", "seq=8", "alti", {}), ("mamba1", "data=2 x seq=4", "hidden_attention", {}),
-        ("mamba1", "seq=8", "logit", {"rows": None}),
-        ("hybrid", "seq=8", "l2", {}), ("hybrid", "data=2 x seq=2 x model=2", "alti", {"rows": None}),
+        ("hybrid", "data=2 x seq=2 x model=2", "alti", {"rows": None}),
         ("hybrid", "data=2 x seq=4", "grad_input", {}), ("hybrid", "seq=8", "l1", {"top_k": 4}),
         ("hybrid", "seq=8", "hidden_attention", {"aggregation": "abs"}),
-        ("blocks", "data=2 x seq=2 x model=2", "logit", {}), ("blocks", "seq=8", "alti", {}),
+        ("blocks", "data=2 x seq=2 x model=2", "logit", {}),
         ("gdn", "seq=8", "logit", {"rows": None}), ("gdn", "data=2 x seq=2 x model=2", "l2", {}),
-        ("kda", "data=2 x seq=4", "alti", {}), ("kda", "seq=8", "hidden_attention", {}),
+        ("kda", "data=2 x seq=4", "alti", {}),
     ]
 
     windows = []  # the column windows the score stage ran on
