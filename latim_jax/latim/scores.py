@@ -15,9 +15,10 @@ Every score is exactly 0 above the diagonal (j > i) and on the rows and columns 
 (:func:`finish_scores` masks explicitly, before and after alti's normalisation).
 
 Where a layer's scores run is decided by the execution context (:class:`latim_jax.parallel.context.
-Context`), in :func:`layer_scores` alone: split over a mesh (:func:`_split_layer_scores`), the fused
-Pallas kernel (``ctx.kernels``, l2 / l1 / alti / logit of the Mamba kinds), or the tiled XLA path
-(:func:`blocked_scores`, which is also the kernel's reference and backward).
+Context`), in :func:`layer_scores` alone: split over a mesh (:func:`_split_layer_scores`: prompts, rows
+and, over "seq", source columns), the fused Pallas kernel (``ctx.kernels``, l2 / l1 / alti / logit of
+the Mamba kinds), or the tiled XLA path (:func:`blocked_scores`, also the kernel's reference and
+backward).
 """
 
 from __future__ import annotations
@@ -146,8 +147,6 @@ def layer_scores(
     ``aggregation``: hidden attention only; ``precision``: the projection onto W_out in fp32 or bf16
     with fp32 accumulation (:func:`project`; the fused kernel: DEFAULT matmul precision).
     """
-    if ctx.axis_size(SEQ) > 1:
-        return _sequence_layer_scores(f, method, rows, mask, blocks, aux, ctx, aggregation, precision)
     if ctx.split:
         return _split_layer_scores(f, method, rows, mask, blocks, aux, ctx, aggregation, precision)
     if method == "hidden_attention":
@@ -177,101 +176,76 @@ def layer_scores(
 
 def _split_layer_scores(f, method, rows, mask, blocks, aux, ctx: Context, aggregation, precision):
     """:func:`layer_scores` inside ``jax.shard_map``: prompts over "data", target rows over "model"
-    (rows padded to a multiple of the axis by repeating the last one). Each device holds the whole
-    layer's factors for its prompts: rows are independent given them. The minmax hidden attention's
-    range spans every row: each device takes the range over its share of all rows, the shares combine
-    by a min and a max over "model", and each device's asked rows (the plain channel mean) are rescaled
-    by it: the whole range computed once across the mesh, not once per device."""
-    b, r = f.h.shape[0], rows.shape[0]
-    m = ctx.axis_size(MODEL)
-    data = ctx.axis(DATA) if b % ctx.axis_size(DATA) == 0 else None
-    rows_p = row_tiles(rows, m).reshape(-1)
-    batch = P(data)
-    specs = factor_specs(f, batch, data)
+    (rows padded to a multiple of the axis by repeating the last one) and, when the mesh has a "seq"
+    axis that splits the length, the source columns over "seq": the device at seq index s scores its
+    rows against the sources [s w, (s + 1) w), w = l / D (the layer's length is a multiple of D: the
+    forward pads it), so the score work and the output are split D ways.
 
-    split_range = method == "hidden_attention" and aggregation == "minmax" and has_ssm(f)
-    all_rows = row_tiles(jnp.arange(f.length), m).reshape(m, -1)  # each device's share of every row
-
-    def scores(f, rows, aux, mask):
-        if split_range:
-            share = all_rows[jax.lax.axis_index(ctx.axis(MODEL))] if m > 1 else all_rows[0]
-            lo, hi = hidden_attention_range(f.ssm, mask, f.tiles(rows.shape[0], blocks), share)
-            if m > 1:
-                lo, hi = jax.lax.pmin(lo, ctx.axis(MODEL)), jax.lax.pmax(hi, ctx.axis(MODEL))
-            s = layer_scores(f, method, rows, mask=mask, ctx=ctx.local(), blocks=blocks, aggregation="signed")
-            return finish_scores(minmax_normalise(s, lo, hi), method, rows, mask)
-        return layer_scores(
-            f, method, rows, mask=mask, ctx=ctx.local(), blocks=blocks, aux=aux, aggregation=aggregation,
-            precision=precision,
-        )  # fmt: skip
-
-    aux_spec = None if aux is None else batch
-    out_spec = P(data, ctx.axis(MODEL))
-    out = jax.shard_map(
-        scores, mesh=ctx.mesh, in_specs=(specs, P(ctx.axis(MODEL)), aux_spec, batch),
-        out_specs=(out_spec, out_spec) if method == "logit+alti" else out_spec, check_vma=False,
-    )(f, rows_p, aux, mask)  # fmt: skip
-    return jax.tree.map(lambda s: s[:, :r], out)
-
-
-def _sequence_layer_scores(f, method, rows, mask, blocks, aux, ctx: Context, aggregation, precision):
-    """:func:`layer_scores` when the mesh's "seq" axis splits the length: inside ``jax.shard_map``,
-    prompts over "data", target rows over "model" (as :func:`_split_layer_scores`), and the source
-    columns over "seq": the device at seq index s scores every asked row against the sources
-    [s w, (s + 1) w), w = l / D (the layer's length is a multiple of D: the forward pads it), so the
-    score work and the output are split D ways. Each device holds the whole layer's factors (gathered
+    Each device holds the whole layer's factors for its prompts (split over "seq", they are gathered
     from the sequence-split forward that built them: O(l e) per device for the scored layer). What
-    crosses devices besides: alti's row sums (a psum over "seq" before the normalisation) and minmax's
-    range (each device takes its share of every row, a pmin / pmax over "model" and "seq"). The tiles
-    run on the XLA path (the fused score kernel takes no column window).
+    crosses devices besides: alti's row sums (a psum over "seq" before the normalisation) and the
+    minmax hidden attention's range, which spans every row: each device takes the range over its share
+    of all rows, the shares combine by a min and a max over "model" and "seq", and each device's asked
+    rows (the plain channel mean) are rescaled by it: the whole range computed once across the mesh,
+    not once per device. Without "seq" a device runs the one-device path (:func:`layer_scores`, the
+    fused kernel included); with it the tiles run on the XLA path (the fused score kernel takes no
+    column window).
 
-    Returns the scores (b, r, l) split over "seq" on their last axis (and the pair for "logit+alti")."""
+    Returns the scores (b, r, l) (and the pair for "logit+alti"), split over "seq" on their last axis."""
     b, r, length = f.h.shape[0], rows.shape[0], f.length
     m, d = ctx.axis_size(MODEL), ctx.axis_size(SEQ)
     if length % d:
         raise ValueError(f'the "seq" axis ({d} devices) must divide the layer\'s length {length}')
-    width = length // d
+    width, seq = length // d, ctx.axis(SEQ)
     data = ctx.axis(DATA) if b % ctx.axis_size(DATA) == 0 else None
     rows_p = row_tiles(rows, m).reshape(-1)
     batch = P(data)
-    specs = factor_specs(f, batch, data)
-    minmax = method == "hidden_attention" and aggregation == "minmax"
-    devices = m * d
-    all_rows = row_tiles(jnp.arange(length), devices).reshape(devices, -1)  # each device's share of every row
-    axes = tuple(a for a in (ctx.axis(MODEL), SEQ) if a is not None)
-
+    minmax = method == "hidden_attention" and aggregation == "minmax" and has_ssm(f)
+    axes = tuple(a for a in (ctx.axis(MODEL), seq) if a is not None)
+    all_rows = row_tiles(jnp.arange(length), m * d).reshape(m * d, -1)  # each device's share of every row
     tiles_ = f.tiles(rows_p.shape[0] // m, blocks)
     if tiles_.cols > width:  # a tile no wider than a device's share of the columns
         tiles_ = dataclasses.replace(tiles_, cols=width)
 
-    def scores(f, rows, aux, mask):
-        start = jax.lax.axis_index(SEQ) * width
+    def window(f, rows, aux, mask, start):
+        """The unnormalised scores of ``rows`` against the sources [start, start + width)."""
         columns = (start, width)
         if method == "hidden_attention":
             signed = "signed" if minmax else aggregation
             if has_ssm(f):
-                s = hidden_attention_scores(f.ssm, rows, mask, tiles_, signed, columns=columns)
-            else:
-                s = blocked(lambda rb, j0: f.attention_map(rb, j0, tiles_.cols), rows, length, tiles_,
-                            columns=columns)  # fmt: skip
-            if minmax and has_ssm(f):
-                share = all_rows[jax.lax.axis_index(axes)]
-                lo, hi = hidden_attention_range(f.ssm, mask, tiles_, share)
-                s = minmax_normalise(s, jax.lax.pmin(lo, axes), jax.lax.pmax(hi, axes))
-            return finish_scores(s, method, rows, mask, start, SEQ)
+                return hidden_attention_scores(f.ssm, rows, mask, tiles_, signed, columns=columns)
+            return blocked(lambda rb, j0: f.attention_map(rb, j0, tiles_.cols), rows, length, tiles_,
+                           columns=columns)  # fmt: skip
         if f.form == "diagonal":
-            s = jax.lax.dynamic_slice_in_dim(f.diagonal_scores(method, rows, aux), start, width, axis=2)
+            return jax.lax.dynamic_slice_in_dim(f.diagonal_scores(method, rows, aux), start, width, axis=2)
+        return blocked_scores(f, method, rows, aux, blocks=tiles_, precision=precision, columns=columns)
+
+    def scores(f, rows, aux, mask):
+        if seq is None and not minmax:
+            return layer_scores(
+                f, method, rows, mask=mask, ctx=ctx.local(), blocks=blocks, aux=aux, aggregation=aggregation,
+                precision=precision,
+            )  # fmt: skip
+        start = jax.lax.axis_index(seq) * width if seq else 0
+        if seq is None:  # minmax without "seq": the one-device path's signed map, rescaled below
+            s = layer_scores(f, method, rows, mask=mask, ctx=ctx.local(), blocks=blocks, aggregation="signed")
         else:
-            s = blocked_scores(f, method, rows, aux, blocks=tiles_, precision=precision, columns=columns)
+            s = window(f, rows, aux, mask, start)
+        if minmax:
+            share = all_rows[jax.lax.axis_index(axes)] if axes else all_rows[0]
+            lo, hi = hidden_attention_range(f.ssm, mask, tiles_, share)
+            if axes:
+                lo, hi = jax.lax.pmin(lo, axes), jax.lax.pmax(hi, axes)
+            s = minmax_normalise(s, lo, hi)
         if method == "logit+alti":
-            return (finish_scores(s[..., 0], "logit", rows, mask, start, SEQ),
-                    finish_scores(s[..., 1], "alti", rows, mask, start, SEQ))  # fmt: skip
-        return finish_scores(s, method, rows, mask, start, SEQ)
+            return (finish_scores(s[..., 0], "logit", rows, mask, start, seq),
+                    finish_scores(s[..., 1], "alti", rows, mask, start, seq))  # fmt: skip
+        return finish_scores(s, method, rows, mask, start, seq)
 
     aux_spec = None if aux is None else batch
-    out_spec = P(data, ctx.axis(MODEL), SEQ)
+    out_spec = P(data, ctx.axis(MODEL), seq)
     out = jax.shard_map(
-        scores, mesh=ctx.mesh, in_specs=(specs, P(ctx.axis(MODEL)), aux_spec, batch),
+        scores, mesh=ctx.mesh, in_specs=(factor_specs(f, batch, data), P(ctx.axis(MODEL)), aux_spec, batch),
         out_specs=(out_spec, out_spec) if method == "logit+alti" else out_spec, check_vma=False,
     )(f, rows_p, aux, mask)  # fmt: skip
     return jax.tree.map(lambda s: s[:, :r], out)
