@@ -301,9 +301,9 @@ def attribute(
         computed (:mod:`latim_jax.io.stream`), and the result's scores are a read-only memmap of it.
       memory_limit: "auto" (the free host or device memory divided by ``memory.AUTO_MARGIN`` = 1.2, as
         the estimate can fall ~10% short of the peak), a number of bytes, or None (no check).
-        The call's peak is estimated first (:mod:`latim_jax.latim.memory`) and a call that would not
-        fit is refused with an error naming the options that do (rows=[-1], fewer layers, top_k, bf16
-        output, streaming, a smaller batch).
+        The call's peak is estimated first (:mod:`latim_jax.latim.memory`; on a mesh, per device)
+        and a call that would not fit is refused with an error naming the options that do
+        (rows=[-1], fewer layers, top_k, bf16 output, streaming, a smaller batch).
       progress: a progress bar over layers on stderr (None: when stderr is a terminal and L >= 1024).
       hold_fixed: gradients only. False (default): ``jax.grad`` of a score is the true gradient,
         through everything the score depends on. True: no gradient through the quantities LaTIM
@@ -347,6 +347,7 @@ def attribute(
             rows=None if req.rows is None else len(req.rows),
             layers=None if req.layers == tuple(range(model.config.n_layers)) else len(req.layers),
             top_k=top_k, out_dtype=out_dtype, stream=stream_to is not None, blocks=blocks,
+            split={name: ctx.axis_size(name) for name in memory.SPLIT_AXES},
         )  # fmt: skip
     targets = check_targets(target, x.batch, x.length, model.config.n_tokens, padded=x.h.shape[1])
     foil = check_foil(foil, method, x.batch, x.length, model.config.n_tokens, padded=x.h.shape[1])

@@ -20,6 +20,13 @@ c = e (Mamba-1) or heads (Mamba-2), K conv taps, g groups, v vocabulary):
 
 It is an estimate of the arrays the library allocates (XLA adds a little on top); the benchmarks record
 it next to measured peaks.
+
+On a mesh (``split``: the sizes of its "data", "model" and "seq" axes) the estimate is per device: the
+prompts divide over "data" everywhere; the score matrix and the output divide over "model" (rows) and
+"seq" (source columns); the streams divide over "seq" (the split forward holds l / D positions of each);
+the layer's working set keeps the whole length, because the scored layer's factors are gathered whole to
+every device at the score stage (docs/performance.md: measured 0.5-1.2x one device's); the parameters
+are counted whole.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import numpy as np
 
 from latim_jax.latim.blocking import tiles
 from latim_jax.model.kind import kind_of
+from latim_jax.parallel.mesh import AXES
 
 GIB = 1024**3
 HEAD_CHUNK = 512  # positions per chunk when the head's logits are reduced to targets
@@ -93,33 +101,53 @@ def estimate(
     out_dtype="float32",
     stream: bool = False,
     blocks=None,
+    split=None,
 ) -> MemoryEstimate:
     """Estimated bytes of ``attribute`` on ``batch`` prompts of ``length`` positions, scoring ``rows``
-    target rows (None: all) of ``layers`` layers (None: all)."""
+    target rows (None: all) of ``layers`` layers (None: all); ``split``: {"data", "model", "seq": axis
+    size} of a mesh (None: one device), which makes it the estimate per device (module docstring)."""
     c = model.config
-    b, L = int(batch), int(length)
+    split = check_split(split)
+    b, L = -(-int(batch) // split["data"]), int(length)
     R = L if rows is None else int(rows)
+    R_dev, L_dev = -(-R // split["model"]), -(-L // split["seq"])  # a device's rows and source columns
     n_layers = c.n_layers if layers is None else int(layers)
     d, f4 = c.d_model, 4
     params = sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for x in _leaves(model))
     if method in ("logit", "grad_input"):  # a forward first: every layer's input stream, and the head
-        streams = (c.n_layers + 1) * b * L * d * f4 + b * min(L, HEAD_CHUNK) * c.n_tokens * f4
+        streams = (c.n_layers + 1) * b * L_dev * d * f4 + b * min(L_dev, HEAD_CHUNK) * c.n_tokens * f4
     else:  # one pass over the layers: the stream entering the layer and the next one
-        streams = 2 * b * L * d * f4
+        streams = 2 * b * L_dev * d * f4
     blk = tiles(c.version, L, None, blocks)
     # one layer at a time: the largest of the kinds' working sets (LayerKind.memory)
     layer = max(kind_of(k).memory(c, b, L, blk.rows, blk.cols) for k in dict.fromkeys(c.kinds))
-    layer_scores = b * R * L * f4
+    layer_scores = b * R_dev * L_dev * f4
     itemsize = np.dtype(out_dtype).itemsize if out_dtype != "bfloat16" else 2
     if stream:
         output = 0
     elif top_k is not None:
-        output = n_layers * b * R * int(top_k) * (itemsize + 4)
+        output = n_layers * b * R_dev * int(top_k) * (itemsize + 4)
     else:
-        output = n_layers * b * R * L * itemsize
+        output = n_layers * b * R_dev * L_dev * itemsize
     if method == "logit" and rows is None and layers is None and not stream:
-        output += c.n_layers * b * L * L * f4
+        output += c.n_layers * b * R_dev * L_dev * f4
     return MemoryEstimate(parameters=params, streams=streams, layer=layer + layer_scores, output=output)
+
+
+SPLIT_AXES = AXES  # the mesh axes a call can be split over
+
+
+def check_split(split) -> dict:
+    """{"data", "model", "seq": size} with the missing axes 1; a size that is not a positive integer or
+    an axis of another name is refused by name."""
+    split = dict(split or {})
+    unknown = set(split) - set(SPLIT_AXES)
+    if unknown:
+        raise ValueError(f"split: unknown mesh axes {sorted(unknown)}; expected among {SPLIT_AXES}")
+    for name, size in split.items():
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+            raise ValueError(f"split: the {name!r} axis size must be a positive integer, found {size!r}")
+    return {name: int(split.get(name, 1)) for name in SPLIT_AXES}
 
 
 def _leaves(model):
@@ -156,7 +184,8 @@ def check_fits(
     """The estimate of the call, or :class:`InsufficientMemoryError` when it exceeds ``limit`` bytes,
     naming each alternative that fits: the last row only, fewer layers, top_k, bfloat16 output,
     streaming to disk, a smaller batch. ``length``: the length computed (with bucket padding);
-    ``prompt_length``: the caller's, for the message (default ``length``)."""
+    ``prompt_length``: the caller's, for the message (default ``length``); ``split`` (in ``call``): a
+    mesh's axis sizes, the estimate and ``limit`` then per device."""
     est = estimate(model, batch, length, **call)
     if est.total <= limit:
         return est
@@ -194,8 +223,11 @@ def check_fits(
         else "none of rows=[-1], fewer layers, top_k, bf16 output or streaming fits"
     )
     shown = length if prompt_length is None else prompt_length
+    split = check_split(call.get("split"))
+    where = "" if split == check_split(None) else " per device (mesh " + ", ".join(
+        f"{name}={size}" for name, size in split.items() if size > 1) + ")"  # fmt: skip
     raise InsufficientMemoryError(
-        f"attribution of {batch} x {shown} tokens needs about {est.describe()}, more than the "
+        f"attribution of {batch} x {shown} tokens needs about {est.describe()}{where}, more than the "
         f"{human(limit)} available. Options that fit: {hint}. (memory_limit=None skips this check.)",
         options=fits, needed=est.total, limit=limit, batch=batch, length=shown,
     )  # fmt: skip

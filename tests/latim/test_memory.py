@@ -31,6 +31,29 @@ def test_estimate_scales_as_the_output_does(model):
     assert estimate(model, 1, 4096, stream=True).output == 0
 
 
+def test_a_mesh_divides_what_it_splits_per_device(model):
+    """On a mesh the estimate is per device: the prompts divide over "data", the score matrix and the
+    output over "model" (rows) and "seq" (columns), the streams over "seq"; the layer's working set
+    keeps the whole length (its factors are gathered whole at the score stage); a refusal says "per
+    device"; a bad split is refused by name."""
+    from latim_jax.latim.memory import check_fits
+
+    L, d = 128, CFG.d_model
+    one = estimate(model, 4, L, method="l2")
+    split = estimate(model, 4, L, method="l2", split={"data": 2, "model": 2, "seq": 4})
+    assert split.output * 16 == one.output  # 4 prompts x L rows x L columns over 2 x 2 x 4 devices
+    assert split.streams == 2 * 2 * (L // 4) * d * 4 and one.streams == 2 * 4 * L * d * 4
+    two = estimate(model, 2, L, method="l2")  # the working set of 2 prompts at the whole length
+    assert split.layer - 2 * (L // 2) * (L // 4) * 4 == two.layer - 2 * L * L * 4
+    assert split.parameters == one.parameters
+    assert estimate(model, 4, L, split={"data": 1}) == estimate(model, 4, L)
+    with pytest.raises(InsufficientMemoryError, match=r"per device \(mesh data=2, seq=4\)"):
+        check_fits(model, 4, L, limit=split.parameters, split={"data": 2, "seq": 4})
+    for bad, words in (({"sequence": 2}, "unknown mesh axes"), ({"seq": 0}, "'seq' axis size")):
+        with pytest.raises(ValueError, match=words):
+            estimate(model, 4, L, split=bad)
+
+
 @pytest.mark.parametrize("version", [1, 2])
 def test_estimate_against_the_compiled_programs_memory(version):
     """The per-layer part of the estimate against XLA's own account of the compiled per-layer program

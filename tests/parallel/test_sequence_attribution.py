@@ -100,6 +100,22 @@ SCRIPT = textwrap.dedent(
         assert max(errs.values()) < TOL, (name, mesh_name, method, errs)
         if method in ("l2", "l1", "alti", "logit"):  # scored by source columns, l / D per device
             assert windows and set(windows) == {96 // d}, (name, method, windows)
+
+    # the memory check is per device on a mesh: a limit between the per-device and the one-device
+    # estimates refuses the call on one device and lets the seq-split call run
+    from latim_jax.latim import memory
+    m1 = latim_jax.MambaLM(CFG["mamba1"], params["mamba1"])
+    whole = memory.estimate(m1, 2, 93, method="l2").total
+    per = memory.estimate(m1, 2, 96, method="l2", split={"seq": 8}).total
+    limit = (per + whole) // 2
+    assert per < limit < whole, (per, whole)
+    try:
+        latim_jax.attribute(m1, tokens, method="l2", mask=mask, impl="xla", memory_limit=limit)
+        raise AssertionError("one device was not refused")
+    except memory.InsufficientMemoryError:
+        pass
+    latim_jax.attribute(m1, tokens, method="l2", mask=mask, impl="xla", memory_limit=limit,
+                        mesh=Mesh(devices, ("seq",)))
     print("OK")
     """
 ) % {"tol": TOL}
