@@ -47,6 +47,11 @@ def invert_unit_lower(U):
     diagonal blocks (each 1), each level joins neighbouring blocks of size s into blocks of size 2 s.
     C is padded to a power of two with an identity block (whose inverse is itself). Only U's strictly
     lower part is read (its diagonal is taken as 1), so the gradient reaches that part alone."""
+    U = jnp.asarray(U)
+    if U.ndim < 2 or U.shape[-1] != U.shape[-2] or U.shape[-1] == 0:
+        raise ValueError(f"invert_unit_lower: U must be (..., C, C) with C >= 1, found shape {U.shape}")
+    if not jnp.issubdtype(U.dtype, jnp.floating):
+        raise ValueError(f"invert_unit_lower: U must be floating point, found {U.dtype}")
     C = U.shape[-1]
     P = 1 << max(C - 1, 0).bit_length()
     lead = U.shape[:-2]
@@ -82,6 +87,10 @@ def solve_unit_lower(U, B):
     took 939 ms that way and 86 ms this way (LAPACK's: 2757 ms, on 2 busy cores). Elsewhere it is the
     backend's triangular solve (cuBLAS on GPU, XLA's own on TPU)."""
     U, B = jnp.asarray(U), jnp.asarray(B)
+    if U.ndim < 2 or U.shape[-1] != U.shape[-2] or B.ndim < 2 or B.shape[-2] != U.shape[-1]:
+        raise ValueError(
+            f"solve_unit_lower: U must be (..., C, C) and B (..., C, d), found {U.shape} and {B.shape}"
+        )
     return jax.lax.platform_dependent(
         U, B, cpu=_inverse_solve,
         default=lambda U, B: solve_triangular(U, B, lower=True, unit_diagonal=True),

@@ -423,3 +423,19 @@ def test_the_unit_lower_solve_equals_float64_and_calls_no_lapack_on_cpu(C):
     assert not np.triu(grad, 0).any()
     text = jax.jit(delta_rule.solve_unit_lower).lower(U32, B32).compile().as_text()
     assert "custom-call" not in text and "custom_call_target" not in text  # the LAPACK solve is one
+
+
+def test_the_unit_lower_solve_refuses_shapes_it_cannot_solve():
+    """A non-square or empty U, an integer U, or a B whose rows are not U's are refused by name, not
+    broadcast into a wrong answer."""
+    U, B = np.eye(4, dtype=np.float32), np.ones((4, 2), np.float32)
+    for bad_u, bad_b, words in (
+        (np.ones((4, 3), np.float32), B, "U must be"),
+        (U, np.ones((3, 2), np.float32), "B"),
+        (np.ones(4, np.float32), B, "U must be"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            delta_rule.solve_unit_lower(bad_u, bad_b)
+    for bad, words in ((np.ones((2, 0, 0), np.float32), "C >= 1"), (np.eye(4, dtype=np.int32), "floating")):
+        with pytest.raises(ValueError, match=words):
+            delta_rule.invert_unit_lower(bad)
