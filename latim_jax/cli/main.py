@@ -113,8 +113,13 @@ def default_prompt(model, seed: int = 0) -> list[int]:
     """A prompt of the model's task for shipped models. copy: 10 content tokens, SEP, then the copy;
     mqar: one MQAR sequence (key-value pairs, then queries with their answers) drawn with ``seed``."""
     task = model.task
-    if not task or task.get("name") not in ("copy", "mqar"):
+    if not task:
         raise UsageError("this model has no task to draw a default prompt from; pass --tokens or --text")
+    if task.get("name") not in ("copy", "mqar"):
+        raise UsageError(
+            f"the {task.get('name')!r} task has no default prompt (the copy and mqar models have one); "
+            "pass --tokens or --text"
+        )
     rng = np.random.default_rng(seed)
     if task["name"] == "mqar":
         batch = registry.make_batch(registry.task_fields(task), 1, rng)

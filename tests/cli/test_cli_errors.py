@@ -97,6 +97,7 @@ def test_choices_are_the_api_choices(capsys):
         (["attribute", "--model", "ck", "--text", "a", "--tokens-file", "old.npz"], ["pass one of"]),
         (["attribute", "--model", "ck/latim_config.json", "--tokens", "1"], ["a file", "directory"]),
         (["attribute", "--model", "nowhere", "--tokens", "1"], ["nowhere", "shipped models"]),
+        (["attribute", "--model", "needle-hybrid-gdn"], ["'needle' task has no default prompt", "--text"]),
         (["attribute", "--model", "ck", "--seed", "-1"], ["--seed", ">= 0"]),
         (["generate", "--model", "ck", "--tokens", "1", "--max-new-tokens", "-1"], ["--max-new-tokens"]),
         (["generate", "--model", "ck", "--tokens", "1", "--temperature", "nan"], ["--temperature", "nan"]),
