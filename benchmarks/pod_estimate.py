@@ -10,11 +10,13 @@ Pure arithmetic: nothing is compiled, nothing runs. Per (model, L, slice, seq x 
   attention and MLP weights whole on every device, as ``latim_jax.model.sharding.shard`` lays them out)
   + the logits output (fp32, L/seq x V/model) + the largest layer's working set. A working set has a
   part per local token (falls as 1/seq) and, for attention, a part over the whole length (the row tile
-  of scores over every key and the gathered K/V), for Mamba-2 the gathered state summaries (grow with
-  seq). XLA reuses one layer's temporaries for the next, so the peak is the largest layer's, not a sum.
+  of scores over every key and the gathered K/V), for Mamba-2 a few state summaries (the log-depth
+  prefix holds its own, the one received and their composition). XLA reuses one layer's temporaries
+  for the next, so the peak is the largest layer's, not a sum.
 - bytes crossing devices per layer, what ``latim_jax.parallel.sequence`` moves: the conv halo (k-1
-  rows of the conv input, one collective-permute), the all-gather of every shard's (Delta sums, final
-  state) summaries (seq x the shard's state), attention's all-gather of K, V (2 L G a x 4 bytes) and
+  rows of the conv input, one collective-permute), the log-depth prefix over the shards' (Delta sums,
+  final state) summaries (ceil(log2 seq) collective-permutes of one summary, one more to shift it, and
+  a psum of the last shard's state), attention's all-gather of K, V (2 L G a x 4 bytes) and
   the mask, and the Mamba out_proj all-reduce over "model" (the stream, L/seq x d x 4 bytes).
 - time: compute-bound (FLOPs at an assumed MXU utilisation of the published bf16 peak), HBM-bound (the
   bytes a layer must at least write and read, at the published HBM bandwidth) and communication (the
@@ -30,8 +32,8 @@ What is measured and what is assumed (``ASSUMPTIONS``, written into the results)
   temporaries at seq = 8 were 0.12x one device's (1/8 = 0.125), which is what makes the per-token part
   fall as 1/seq. The attention calibration subtracts the whole-length part first (two fp32 (H, 256, L)
   row tiles, ``latim_jax.model.attention.attention_memory``, and the gathered K/V and mask). The
-  measured collectives (2 all-gathers and 1 collective-permute per Mamba-2 layer; attention's K/V
-  gather) fix which arrays cross; ``check_against_measurement`` recomputes their bytes at the
+  measured collectives (the conv halo's and the prefix's collective-permutes per Mamba-2 layer;
+  attention's K/V gather) fix which arrays cross; ``check_against_measurement`` recomputes their bytes at the
   measured shape. MLP layers reuse the Mamba-2 copy factor (no MLP-only program was measured).
 - Published (Cloud TPU v5p page, docs.cloud.google.com/tpu/docs/v5p): 459 TFLOP/s bf16 per chip,
   95 GiB HBM at 2765 GB/s, ICI 4800 Gbps = 600 GB/s per chip each way (1200 GB/s bidirectional) over the
@@ -83,7 +85,6 @@ ASSUMPTIONS = {
     "activation_bytes": F32,
     "parameter_bytes": BF16,
     "batch": 1,
-    "max_seq": 64,  # carry_in's O(seq^2) combine and seq-times-state gather: "fine for D <= 64"
     "model_splits": (1, 2, 4, 8),
 }
 # last-row attribution / the forward alone, same host (benchmarks/results/scale_out.json, Mamba-2 130m,
@@ -222,11 +223,21 @@ def kv_gather_bytes(s: Shape, L: int) -> int:
     return 2 * L * s.kv_heads * s.attn_head_dim * F32
 
 
-def summaries_gather_bytes(s: Shape, seq: int, model: int) -> int:
-    """The all-gathered (Delta sums, final state) of one Mamba-2 layer on one device: seq shards x the
-    shard's (h/model) Delta sums and (h/model, p, n) final states, fp32."""
+def summary_bytes(s: Shape, model: int) -> int:
+    """One shard's (Delta sums, final state) of one Mamba-2 layer on one device: the (h/model) Delta sums
+    and (h/model, p, n) final states, fp32."""
     h = s.heads // model
-    return seq * (h + h * s.head_dim * s.state) * F32
+    return (h + h * s.head_dim * s.state) * F32
+
+
+def prefix_rounds(seq: int) -> int:
+    """The log-depth prefix's rounds over ``seq`` shards (``latim_jax.parallel.sequence.prefix``)."""
+    return max(seq - 1, 0).bit_length()
+
+
+# the summaries a device holds at once in the prefix: its own, the one received, their composition, and
+# the shifted (entering) and last-shard results
+PREFIX_HELD = 5
 
 
 def calibrate(path: Path = RESULTS / "sequence_axis.json") -> dict:
@@ -259,7 +270,7 @@ def layer_memory(s: Shape, kind: str, L: int, seq: int, model: int, cal: dict) -
     local = L // seq
     if kind == "M":
         w, k = mamba2_words(s, model), cal["mamba2_copies"]
-        whole = {"summaries_gathered": summaries_gather_bytes(s, seq, model)}
+        whole = {"summaries_prefix": PREFIX_HELD * summary_bytes(s, model) if seq > 1 else 0}
     elif kind == "*":
         w, k = attention_words(s), cal["attention_copies"]
         whole = attention_whole_length(s, L, seq)
@@ -301,7 +312,10 @@ def layer_comm(s: Shape, kind: str, L: int, seq: int, model: int, chip: Chip = V
         if seq > 1:
             halo = (s.conv - 1) * (s.e + 2 * s.groups * s.state) // model * F32
             out["conv_halo_permute"] = {"bytes": halo, "received": halo, "s": halo / (bw / 2) + lat}
-            gather("summaries_all_gather", summaries_gather_bytes(s, seq, model), count=2)
+            one, steps = summary_bytes(s, model), prefix_rounds(seq) + 1  # the rounds, then the shift
+            out["summaries_prefix_permute"] = {"bytes": steps * one, "received": steps * one,
+                                               "s": steps * (one / (bw / 2) + lat)}  # fmt: skip
+            # (carry_in's psum of the last shard's state is not in the logits' program: nothing reads it)
         if model > 1:
             stream = local * s.d * F32
             moved = 2 * (model - 1) / model * stream
@@ -393,7 +407,6 @@ def estimate(s: Shape, L: int, chips: int, seq: int, model: int, cal: dict, chip
         "seq": seq,
         "model_axis": model,
         "fits": mem["total"] <= chip.hbm_bytes,
-        "seq_within_tested_range": seq <= ASSUMPTIONS["max_seq"],
         "memory": mem,
         "per_layer": per_layer,
         "forward_s": layers_s + head_s,
@@ -415,8 +428,7 @@ def splits(chips: int, s: Shape, L: int) -> list[tuple[int, int]]:
 
 
 def choose(rows: list[dict]) -> dict:
-    """The split a run would pick: the fastest that fits in HBM (a seq over ``max_seq`` is flagged, not
-    excluded: ``carry_in`` takes it, at the gather cost counted here); else the smallest memory."""
+    """The split a run would pick: the fastest that fits in HBM; else the smallest memory."""
     good = [r for r in rows if r["fits"]]
     if good:
         return min(good, key=lambda r: r["forward_s"])
@@ -426,18 +438,16 @@ def choose(rows: list[dict]) -> dict:
 def check_against_measurement() -> dict:
     """The collective bytes this model predicts at the measured shape (130m-wide, L = 32k, seq = 8), in
     the streams ``bench_sequence_axis.py`` reports (bytes / (L/seq d fp32)) per layer, beside the
-    measured ones (Mamba-2 all-gather 0.5, collective-permute 0.002; the hybrid's all-gathers 1.944
-    averaged over its 3 layers)."""
+    measured ones (Mamba-2 collective-permutes 0.252: the halo's and the prefix's; the hybrid's
+    all-gathers 1.778 averaged over its 3 layers)."""
     L, seq = 32768, 8
     stream = L // seq * 768 * F32
     m = layer_comm(MEASURED_MAMBA2, "M", L, seq, 1)
     a = layer_comm(MEASURED_HYBRID, "*", L, seq, 1)
     return {
-        "mamba2_all_gather_streams": m["summaries_all_gather"]["bytes"] / stream,
-        "mamba2_permute_streams": m["conv_halo_permute"]["bytes"] / stream,
-        "hybrid_all_gather_streams_per_layer": (
-            m["summaries_all_gather"]["bytes"] + a["kv_all_gather"]["bytes"] + a["mask_all_gather"]["bytes"]
-        )
+        "mamba2_permute_streams": (m["conv_halo_permute"]["bytes"] + m["summaries_prefix_permute"]["bytes"])
+        / stream,
+        "hybrid_all_gather_streams_per_layer": (a["kv_all_gather"]["bytes"] + a["mask_all_gather"]["bytes"])
         / stream
         / 3,
     }
@@ -536,7 +546,7 @@ def markdown(res: dict) -> str:
         "Bytes as XLA's HLO counts them (the gathered result, the permuted / reduced array), MiB; "
         "time = max(compute, HBM) + communication.",
         "",
-        "| model | L | slice | layer | conv halo | summaries all-gather | K/V all-gather | out_proj "
+        "| model | L | slice | layer | conv halo | summaries prefix | K/V all-gather | out_proj "
         "all-reduce | compute | HBM | comm | layer |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -550,7 +560,7 @@ def markdown(res: dict) -> str:
             t = v["time"]
             lines.append(
                 f"| {r['model']} | {r['length']} | {r['slice']} | {short[k]} x {v['layers']} "
-                f"| {b('conv_halo_permute')} | {b('summaries_all_gather')} | {b('kv_all_gather')} "
+                f"| {b('conv_halo_permute')} | {b('summaries_prefix_permute')} | {b('kv_all_gather')} "
                 f"| {b('out_proj_all_reduce')} | {_t(t['compute_s'])} | {_t(t['hbm_s'])} | {_t(t['comm_s'])} "
                 f"| {_t(t['s'])} |"
             )
@@ -564,22 +574,22 @@ def markdown(res: dict) -> str:
     for r in res["rows"]:
         lines.append(
             f"| {r['model']} | {r['length']} | {r['slice']} | {r['seq']} x {r['model_axis']} "
-            f"| {_gib(r['memory']['total'])} | {'yes' if r['fits'] else 'no'}"
-            f"{'' if r['seq_within_tested_range'] else ' (seq > 64)'} | {_t(r['forward_s'])} "
+            f"| {_gib(r['memory']['total'])} | {'yes' if r['fits'] else 'no'} | {_t(r['forward_s'])} "
             f"| {_t(r['forward_comm_s'])} |"
         )
     chk = res["check_against_measurement"]
     lo, hi = res["attribution_ratio_extrapolated"]
     lines += [
         "",
-        "Check at the measured shape (130m-wide, L = 32k, seq = 8), streams per layer: Mamba-2 all-gather "
-        f"{chk['mamba2_all_gather_streams']:.3f} (measured 0.5), permute {chk['mamba2_permute_streams']:.4f} "
-        f"(0.002), hybrid all-gathers {chk['hybrid_all_gather_streams_per_layer']:.3f} (1.944).",
+        "Check at the measured shape (130m-wide, L = 32k, seq = 8), streams per layer: Mamba-2 "
+        f"collective-permutes {chk['mamba2_permute_streams']:.3f} (measured 0.252), hybrid all-gathers "
+        f"{chk['hybrid_all_gather_streams_per_layer']:.3f} (1.778).",
         "",
         "## Extrapolation, not a supported run: last-row attribution",
         "",
-        '`attribute` over "seq" is refused today (ValueError). If it split the length as the forward '
-        f"does, the last row's attribution would cost about {lo}-{hi}x a forward: the ratio of last-row "
+        '`attribute` over "seq" runs, but gathers each scored layer\'s factors whole (not estimated here; '
+        "docs/performance.md). If its factors stayed where the forward built them, the last row's "
+        f"attribution would cost about {lo}-{hi}x a forward: the ratio of last-row "
         "alti to the forward alone measured on CPU for the 130m Mamba-2 at L = 1k-16k "
         "(benchmarks/results/scale_out.json). Scaled from the forward times above:",
         "",

@@ -10,10 +10,11 @@ Shard k of D holds positions [k l/D, (k+1) l/D) of every prompt (l/D = m). What 
 
       h_in_k = sum_{j<k} exp(s_{j+1} + ... + s_{k-1}) f_j   (+ exp(s_0 + ... + s_{k-1}) h_0),
 
-  which :func:`carry_in` builds from an ``all_gather`` of the D summaries (Delta sums, f_k), each weight's
-  exponent a direct masked sum (a (D, D) 0/1 matrix against s: no difference of long cumulative sums)
-  of terms <= 0. That is O(D) summaries per device and an O(D^2) combine: fine for D <= 64 (a
-  log-depth ppermute scan would move less at pod scale). The shard's outputs are then corrected,
+  which :func:`carry_in` builds by a log-depth prefix (:func:`prefix`) over the shards' affine maps
+  (s_k, f_k), composed as (s1 + s2, exp(A s2) f1 + f2) (every exponent <= 0): log2(D) ppermutes of one
+  summary each, then one shift to make it exclusive and one psum for the state after the last shard,
+  so a device holds and sends O(log D) summaries (an all_gather, the first version, brought all D and
+  combined them in O(D^2)). The shard's outputs are then corrected,
   y_t += C_t . exp(A (Delta_1 + ... + Delta_t)) h_in_k (:func:`ssd_carry`, :func:`selective_scan_carry`),
   or the shard rescanned from h_in_k (twice the scan work); :mod:`latim_jax.kernels.dispatch` picks.
 - The gated delta rule (Gated DeltaNet, KDA): S_t = A_t S_{t-1} + beta_t k_t v_t^T, the state (b, H, k,
@@ -25,11 +26,11 @@ Shard k of D holds positions [k l/D, (k+1) l/D) of every prompt (l/D = m). What 
 
       S_in_s = sum_{j<s} P_{s-1} ... P_{j+1} F_j,   i.e. S_in_0 = 0, S_in_{j+1} = P_j S_in_j + F_j,
 
-  which :func:`delta_carry_in` builds from an ``all_gather`` of the D summaries (F (b, H, k, v) and
-  P (b, H, k, k)) by that sequential combine: D products of a k x k by a k x v matrix per head on
-  every device, 2 D b H k^2 v flops (8.6 GFLOP per prompt for D = 64 and 32 heads of k = v = 128, whose
-  summaries are 4 MiB per prompt and shard, 256 MiB gathered; a log-depth ppermute scan would move
-  less at pod scale). The shard's outputs are then corrected exactly, o_t += S_in^T (A_t ... A_start)^T
+  which :func:`delta_carry_in` builds by the same log-depth prefix over the maps (P_s, F_s), composed
+  as (P2 P1, P2 F1 + F2): log2(D) rounds, each a ppermute of one summary (4 MiB per prompt for 32 heads
+  of k = v = 128) and 2 b H k^2 (k + v) flops (1.1 GFLOP per prompt and round at that size; the
+  all_gather it replaced brought all D summaries, 256 MiB at D = 64, and combined them in D sequential
+  products). The shard's outputs are then corrected exactly, o_t += S_in^T (A_t ... A_start)^T
   q_t, that last factor being the identity columns' outputs of the same call. The work: one chunked
   pass of width v + k (its width-bound terms twice a plain pass's for k = v) and an (m, k) x (k, v)
   product per head, about twice the shard's plain rule, as a rerun from S_in would be.
@@ -83,35 +84,61 @@ def gather_rows(x, axis: str = SEQ):
     return jax.lax.all_gather(x, axis, axis=1, tiled=True)
 
 
+def prefix(summary, combine, axis: str = SEQ):
+    """The inclusive prefix of the shards' ``summary`` (a pytree, one per shard) under an associative
+    ``combine(earlier, later)``: shard k gets summary_0 o ... o summary_k. A log-depth (Hillis-Steele)
+    scan: log2(D) rounds, each one ``ppermute`` of one summary to the shard 2^r further on and one
+    combine, so a device holds and sends O(log D) summaries, not the D an ``all_gather`` would bring."""
+    n, k = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
+    acc, step = summary, 1
+    while step < n:
+        earlier = jax.lax.ppermute(acc, axis, [(i, i + step) for i in range(n - step)])  # 0 below step
+        joined, received = combine(earlier, acc), k >= step
+        acc = jax.tree.map(lambda j, a, r=received: jnp.where(r, j, a), joined, acc)
+        step *= 2
+    return acc
+
+
+def shift_one(x, axis: str = SEQ):
+    """x of the previous shard (zeros on shard 0): an inclusive prefix made exclusive."""
+    n = jax.lax.axis_size(axis)
+    return jax.tree.map(lambda a: jax.lax.ppermute(a, axis, [(i, i + 1) for i in range(n - 1)]), x)
+
+
+def from_last(x, axis: str = SEQ):
+    """x of the last shard, on every shard (one psum of a summary)."""
+    last = jax.lax.axis_index(axis) == jax.lax.axis_size(axis) - 1
+    return jax.tree.map(lambda a: jax.lax.psum(jnp.where(last, a, jnp.zeros_like(a)), axis), x)
+
+
 def carry_in(total_delta, A, final, initial=None, axis: str = SEQ):
     """(state entering this shard, state after the last shard) of a linear scan split over ``axis``.
 
     total_delta: the sum of this shard's Delta (b, h) (Mamba-2) / (b, e) (Mamba-1), its total log-decay
     being total_delta * A, A (h, 1, 1) / (e, n) broadcast against the state; final: its state after
-    scanning from zero (b, h, p, n) / (b, e, n); initial: the state before shard 0 (None: zero). Only
-    the Delta sums and the final states are gathered. See the module docstring.
+    scanning from zero (b, h, p, n) / (b, e, n); initial: the state before shard 0 (None: zero).
+
+    A shard is the affine map h -> exp(A s) h + f (s its Delta sum, f its final state); two in order
+    compose as (s1, f1) then (s2, f2) = (s1 + s2, exp(A s2) f1 + f2), every exponent <= 0. The
+    prefix of these maps over the shards (:func:`prefix`, log-depth) made exclusive (:func:`shift_one`)
+    gives the state entering each shard from ``initial``. See the module docstring.
     """
-    s = jax.lax.all_gather(total_delta.astype(f32), axis)  # (D, b, h|e)
-    f = jax.lax.all_gather(final.astype(f32), axis)  # (D, b, ...state)
     A = A.astype(f32)
-    n, k = s.shape[0], jax.lax.axis_index(axis)
-    idx = jnp.arange(n)
-    lead = (n,) + (1,) * (f.ndim - 1)
+    rank = final.ndim
 
-    def decay_sum(weights):  # sum_m weights[.., m] s_m, broadcast against the states
-        summed = jnp.tensordot(weights, s, axes=1, precision="highest")  # (.., b, h|e)
-        return summed.reshape(summed.shape + (1,) * (f.ndim - s.ndim)) * A
+    def decay(s):  # exp(A s), broadcast against the states
+        return jnp.exp(s.reshape(s.shape + (1,) * (rank - s.ndim)) * A)
 
-    def state_before(stop):  # the state after shards 0..stop-1
-        # exponent of shard j's weight: A times the sum of s_m over j < m < stop (a (D, D) 0/1 matmul)
-        between = ((idx[None, :] > idx[:, None]) & (idx[None, :] < stop)).astype(f32)  # [j, m]
-        expo = jnp.where((idx < stop).reshape(lead), decay_sum(between), -jnp.inf)
-        h = jnp.sum(jnp.exp(expo) * f, axis=0)
-        if initial is not None:  # h_0 decays through every shard before stop
-            h = h + jnp.exp(decay_sum((idx < stop).astype(f32))) * initial.astype(f32)
-        return h
+    def combine(earlier, later):
+        (s1, f1), (s2, f2) = earlier, later
+        return s1 + s2, decay(s2) * f1 + f2
 
-    return state_before(k), state_before(n)
+    inclusive = prefix((total_delta.astype(f32), final.astype(f32)), combine, axis)
+    (s_before, f_before), (s_all, f_all) = shift_one(inclusive, axis), from_last(inclusive, axis)
+    if initial is None:
+        return f_before, f_all
+    h0 = initial.astype(f32)  # h_0 decays through every shard before
+    return decay(s_before) * h0 + f_before, decay(s_all) * h0 + f_all
 
 
 def ssd_carry(dt, A, C, h_in):
@@ -138,15 +165,15 @@ def delta_carry_in(final, transition, axis: str = SEQ):
     """The state entering this shard of a gated delta rule split over ``axis``, (b, H, k, v) fp32.
 
     final: this shard's state after running the rule from zero, F (b, H, k, v); transition: its product
-    of the steps' k x k matrices, P = A_end ... A_start (b, H, k, k) (S_out = P S_in + F). Gathers the D
-    summaries and combines them in order, S_in_{j+1} = P_j S_in_j + F_j from S_in_0 = 0 (see the module
+    of the steps' k x k matrices, P = A_end ... A_start (b, H, k, k) (S_out = P S_in + F). Two shards in
+    order compose as (P1, F1) then (P2, F2) = (P2 P1, P2 F1 + F2); the log-depth prefix of these maps
+    (:func:`prefix`), made exclusive, is the state entering each shard from zero (see the module
     docstring for the cost)."""
-    F = jax.lax.all_gather(final.astype(f32), axis)  # (D, b, H, k, v)
-    Pk = jax.lax.all_gather(transition.astype(f32), axis)  # (D, b, H, k, k)
 
-    def combine(S, summary):  # S: the state entering shard j; returns the one entering j + 1
-        f, p = summary
-        return jnp.einsum("bhij,bhjv->bhiv", p, S, precision="highest") + f, S
+    def combine(earlier, later):
+        (p1, f1), (p2, f2) = earlier, later
+        mul = lambda a, b: jnp.einsum("bhij,bhjv->bhiv", a, b, precision="highest")  # noqa: E731
+        return mul(p2, p1), mul(p2, f1) + f2
 
-    _, entering = jax.lax.scan(combine, jnp.zeros_like(F[0]), (F, Pk))
-    return entering[jax.lax.axis_index(axis)]
+    inclusive = prefix((transition.astype(f32), final.astype(f32)), combine, axis)
+    return shift_one(inclusive, axis)[1]
