@@ -262,7 +262,7 @@ def test_grad_input_matches_direct_jacobian():
         return model.head(o)[0, i, targets[i]]
 
     for i in (0, 5):
-        g = jax.grad(logit)(h, i)
+        g = jax.jit(jax.grad(logit), static_argnums=1)(h, i)  # compiled: eager runs each op alone
         want = np.linalg.norm(np.asarray(g * h)[0], axis=-1)
         assert rel(res.scores[0, 0, i], want) < 1e-4
 
@@ -474,12 +474,13 @@ def test_mamba1_direct_form_in_row_chunks_equals_one_pass(monkeypatch):
         s = layer_scores(g, "l2", jnp.arange(24), mask=jnp.ones((2, 24), bool), blocks=blocks)
         return jnp.sum(jnp.sin(s)), s
 
-    want, want_s = jax.grad(loss, has_aux=True)(h, Blocks(rows=24, cols=24))
+    grad = jax.jit(jax.grad(loss, has_aux=True), static_argnums=1)  # traced afresh for each Blocks
+    want, want_s = grad(h, Blocks(rows=24, cols=24))
     calls = []
     direct = decay._m1_direct
     monkeypatch.setattr(decay, "_m1_direct", lambda *a: calls.append((a[1].shape[0], a[5])) or direct(*a))
     for rows, cols in ((8, 8), (12, 5), (6, 6)):
-        got, got_s = jax.grad(loss, has_aux=True)(h, Blocks(rows=rows, cols=cols, m1_direct_rows=4))
+        got, got_s = grad(h, Blocks(rows=rows, cols=cols, m1_direct_rows=4))
         assert rel(got_s, want_s) < TOL["fp32"] and rel(got, want) < 1e-4
     assert {(8, 4), (12, 4), (6, 4)} <= set(calls)
 
@@ -504,18 +505,20 @@ def test_mamba1_direct_form_takes_fewer_rows_per_pass_when_differentiated(monkey
     def loss(h, blocks):
         return jnp.sum(jnp.sin(scores(h, blocks)))
 
+    value = jax.jit(scores, static_argnums=1)  # each compiled program traced afresh for each Blocks
+    grad = jax.jit(jax.grad(loss), static_argnums=1)
     one = Blocks(rows=24, cols=24, m1_direct_rows=24, m1_tangent_rows=24)
-    want_s, want = scores(h, one), jax.grad(loss)(h, one)
+    want_s, want = value(h, one), grad(h, one)
     sizes = []
     passes = decay._m1_passes
     monkeypatch.setattr(decay, "_m1_passes", lambda *a: sizes.append(a[5]) or passes(*a))
     groups, state_sum = [], decay.m1_state_sum
     monkeypatch.setattr(decay, "m1_state_sum", lambda *a: groups.append(a[5]) or state_sum(*a))
     split = Blocks(rows=24, cols=24, m1_direct_rows=12, m1_tangent_rows=4, m1_state_group=1)
-    got_s = scores(h, split)
+    got_s = value(h, split)
     assert set(sizes) == {12} and rel(got_s, want_s) < TOL["fp32"]
     sizes.clear()
-    got = jax.grad(loss)(h, split)
+    got = grad(h, split)
     # the tangent's passes ran at 4 rows (the forward pass under a checkpoint may take the primal's 12)
     assert 4 in sizes and rel(got, want) < 1e-4
     assert set(groups) == {1}
@@ -550,17 +553,20 @@ def test_score_tiles_take_tangent_rows_when_differentiated(monkeypatch, name, st
     def loss(h, blocks):
         return jnp.sum(jnp.sin(scores(h, blocks)))
 
+    # each derivative one compiled program (each traces the tiles afresh, so the spy sees each path)
+    value = jax.jit(scores, static_argnums=1)
+    grad = jax.jit(jax.grad(loss), static_argnums=1)
+    tangent = jax.jit(lambda h, v, b: jax.jvp(lambda h: loss(h, b), (h,), (v,))[1], static_argnums=2)
     unsplit, split = Blocks(rows=8, cols=8, tangent_rows=8), Blocks(rows=8, cols=8, tangent_rows=4)
-    want_s, want = scores(h, unsplit), jax.grad(loss)(h, unsplit)
-    want_t = jax.jvp(lambda h: loss(h, unsplit), (h,), (v,))[1]
+    want_s, want, want_t = value(h, unsplit), grad(h, unsplit), tangent(h, v, unsplit)
     sizes.clear()
-    got_s = scores(h, split)
+    got_s = value(h, split)
     assert sizes == [8] and rel(got_s, want_s) < TOL["fp32"]
     sizes.clear()
-    got = jax.grad(loss)(h, split)
+    got = grad(h, split)
     assert set(sizes) == {4} and rel(got, want) < 1e-4
     sizes.clear()
-    got_t = jax.jvp(lambda h: loss(h, split), (h,), (v,))[1]
+    got_t = tangent(h, v, split)
     assert set(sizes) == {4} and abs(got_t - want_t) < 1e-4 * abs(want_t)
     # forward and reverse mode agree: the derivative along v is the gradient's inner product with v
     assert abs(got_t - jnp.vdot(got, v)) < 1e-4 * abs(got_t)

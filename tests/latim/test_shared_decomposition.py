@@ -93,15 +93,16 @@ def test_two_hop_contributions_equal_the_held_layers_derivative_along_each_token
     h, e = out.residuals[2], out.residuals[0]
     mask = jnp.ones(tokens.shape, bool)
     block = model.layers[2]
-    f = factors(block, h, mask, embeddings=e)
-    T = np.asarray(full_contributions(f))  # (1, l, l, d)
+    # compiled (eager, every primitive of the factors runs and compiles on its own: CI time)
+    T = np.asarray(jax.jit(lambda h, e: full_contributions(factors(block, h, mask, embeddings=e)))(h, e))
 
     def held(h, e):
         return factors(block, h, mask, hold_fixed=True, embeddings=e).output
 
+    along = jax.jit(lambda onehot: jax.jvp(held, (h, e), (h * onehot, e * onehot))[1])
     for j in (0, 5, L - 1):
         onehot = (jnp.arange(L) == j)[None, :, None].astype(jnp.float32)
-        _, tangent = jax.jvp(held, (h, e), (h * onehot, e * onehot))
+        tangent = along(onehot)
         assert rel_err(T[0, :, j], np.asarray(tangent)[0]) < 1e-5, j
     # the t-part of the Mamba-2's input at k is not token k's: a one-hop split misplaces it
     one_hop = dataclasses.replace(model.config, layer_kinds=("mamba2",) * 3)
@@ -109,8 +110,8 @@ def test_two_hop_contributions_equal_the_held_layers_derivative_along_each_token
     s = h + block.mixer.transformer(h, e, mask=mask)
     from latim_jax.latim import mamba
 
-    m = mamba.factors(block, s, mask)
-    assert rel_err(np.asarray(full_contributions(m)), T) > 0.05
+    one_hop_T = jax.jit(lambda s: full_contributions(mamba.factors(block, s, mask)))(s)
+    assert rel_err(np.asarray(one_hop_T), T) > 0.05
 
 
 @pytest.mark.slow  # (the Python 3.11 run only: CI time)
