@@ -104,6 +104,12 @@ python benchmarks/bench_delta_rule_kernel_memory.py
 python benchmarks/bench_grad_input.py
 # the collectives of a model-parallel forward / attribute / gradient per layer, and a 7B pod estimate
 python benchmarks/bench_collectives.py --out benchmarks/results/collectives.json
+# one prompt's length over a "seq" mesh axis (8 simulated devices): the forward's collectives and
+# memory per device, attribute's per-device memory, the pod estimate, and equality with one device at 32k
+python benchmarks/bench_sequence_axis.py --out benchmarks/results/sequence_axis.json
+python benchmarks/bench_sequence_attribution.py --out benchmarks/results/sequence_attribution.json
+python benchmarks/pod_estimate.py
+python benchmarks/check_sequence_long.py --methods l2 alti logit --out benchmarks/results/sequence_long.json
 # this file
 python benchmarks/report.py
 # the PyTorch baseline equals latim-jax (every method, both modes, both versions)
