@@ -10,7 +10,7 @@ the sequence: Mamba-1; Mamba-2 beside attention, MLP and experts; Gated DeltaNet
 latent attention. One prompt of ``--length`` tokens, left-padded by 1000 (the padding crosses no shard
 boundary at 32k: shards are 4096 long; tests/parallel/test_sequence_attribution.py covers padding across
 shards at a small length). For each model: the logits, then l2, alti, logit, grad_input and hidden
-attention (minmax: its range spans every row, so it costs the whole map) on the rows -1, 7 l/8 + 2
+attention (minmax: its range spans every row, so it costs the whole map) on the rows l - 1, 7 l/8 + 2
 and 3 l/8 + 1 (early in a shard, where the state carried in from earlier shards matters) and pad + 500
 (in the first shard, after the padding), one device against seq = 8; the logits on the real positions.
 Every error is max |split - one| / max |one| over the whole compared array.
@@ -75,11 +75,11 @@ def check(name: str, cfg, length: int, pad: int, devices, methods=METHODS):
     mask = np.ones(tokens.shape, bool)
     mask[:, :pad] = False
     mesh = Mesh(np.asarray(devices).reshape(8), ("seq",))
-    # positions of the prompt (negative: back from the last token): the last, the third of the last
-    # shard and the second of the fourth (there the state carried in from the earlier shards has not
-    # decayed: rows deep in a shard see little of it), and one in the first shard after the padding
+    # real positions of the prompt, each once: the last, the third of the last shard and the second of
+    # the fourth (there the state carried in from the earlier shards has not decayed: rows deep in a
+    # shard see little of it), and one in the first shard after the padding
     w = length // 8
-    rows = sorted({-1, 7 * w + 2, 3 * w + 1, min(pad + 500, length - 1)})
+    rows = sorted(r for r in {length - 1, 7 * w + 2, 3 * w + 1, min(pad + 500, length - 1)} if r >= pad)
     model = latim_jax.MambaLM(cfg, params)
     t = time.perf_counter()
     err = rel(model(tokens, mask=mask, mesh=mesh)[mask], model(tokens, mask=mask)[mask])  # real positions
@@ -137,6 +137,8 @@ def main(argv=None) -> int:
         parser.error(f"unknown methods {bad}; choose from {list(METHODS)}")
     if args.length % 8 or not 0 <= args.pad < args.length - 1:
         parser.error(f"--length must be a multiple of 8, --pad in [0, length - 1): {args.length}, {args.pad}")
+    if args.out and not args.out.parent.is_dir():  # refused before the first (long) comparison
+        parser.error(f"--out {args.out}: the directory {args.out.parent} does not exist")
     results = []
     for name in names:
         for r in check(name, cfgs[name], args.length, args.pad, jax.devices()[:8], args.methods):
