@@ -82,9 +82,10 @@ class SSM:
     decay: Decay
 
     @classmethod
-    def build(cls, version: int, A, D, delta, B, C) -> SSM:
-        """The SSM of a layer, its cumulative sums of Delta computed here."""
-        return cls(version, A, D, delta, B, C, compensated_cumsum(delta))
+    def build(cls, version: int, A, D, delta, B, C, decay: Decay | None = None) -> SSM:
+        """The SSM of a layer, its cumulative sums of Delta computed here unless given (``decay``: a
+        length split over devices sums its shards' own, :func:`latim_jax.latim.mamba.cumulative_decay`)."""
+        return cls(version, A, D, delta, B, C, compensated_cumsum(delta) if decay is None else decay)
 
     @property
     def length(self) -> int:

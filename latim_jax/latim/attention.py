@@ -54,6 +54,17 @@ class AttentionFactors(Factors):
 
     kind = "attention"
     channels_first = False
+    positions = {
+        "q": (1, "rows"), "k": (1, "sources"), "v": (1, "sources"), "lse": (2, "rows"),
+        "mask": (1, "sources"), "gate": (1, "rows"), "bias": (1, "rows"), "output": (1, "rows"),
+        "h": (1, "rows"), "token_total": (1, "rows"),
+    }  # fmt: skip
+
+    @property
+    def sequence_local(self) -> bool:
+        """Without a sliding window the weights read positions by order only (causality); a window
+        reads their distance, which a compacted sequence does not keep."""
+        return self.window == 0
 
     def weights(self, rows, j0, width: int):
         """alpha (b, H, r, width) for targets ``rows`` and sources [j0, j0 + width) (0 past the end)."""

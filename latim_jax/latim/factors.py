@@ -23,6 +23,16 @@ stream h entering the layer. The scores, the attribution loop and the conservati
     parts, replicated          a kind made of parts names the fields holding their factors (the mesh's
                                score stage lays each part out as its own kind); ``replicated`` names its
                                arrays without a batch axis (weights)
+    positions, halo, sequence_local
+                               optional, for a mesh's "seq" axis: ``positions`` maps each per-position
+                               field (a dotted path) to (its length axis, its role: "rows", read at
+                               target rows; "sources", read at source columns; "both"); ``halo`` the
+                               source columns past a source that its pair values read (the conv taps:
+                               K - 1); ``sequence_local`` whether the pair values read positions only
+                               through their order and equality, so that one device may score its
+                               column window from a compacted sequence of its own sources, the halo
+                               and the asked rows (:mod:`latim_jax.latim.source_window`); a kind
+                               without it is gathered whole to every device instead
 
 tests/latim/test_kinds.py builds every registered kind and checks this interface and its identities.
 """
@@ -35,6 +45,7 @@ from latim_jax.kernels.block_sizes import Blocks
 from latim_jax.latim.blocking import tiles
 
 FORMS = ("ssm", "pairs", "diagonal")
+ROLES = ("rows", "sources", "both")  # how a per-position field is read (``positions``)
 
 
 class Factors:
@@ -46,6 +57,19 @@ class Factors:
     form: ClassVar[str] = "pairs"
     parts: ClassVar[tuple[str, ...]] = ()
     replicated: ClassVar[tuple[str, ...]] = ()
+    positions: ClassVar[dict[str, tuple[int, str]] | None] = None
+
+    @property
+    def halo(self) -> int:
+        """The source columns past a source j that its pair values read (M at j + k for the conv taps);
+        a kind made of parts takes its parts' largest."""
+        return max([0] + [getattr(self, name).halo for name in self.parts])
+
+    @property
+    def sequence_local(self) -> bool:
+        """Whether a device may score its share of the source columns from a compacted sequence (see
+        the module docstring): ``positions`` declared here and in every part."""
+        return self.positions is not None and all(getattr(self, name).sequence_local for name in self.parts)
 
     @property
     def length(self) -> int:

@@ -26,12 +26,23 @@ import jax.numpy as jnp
 
 from latim_jax.kernels import dispatch, f32
 from latim_jax.kernels.block_sizes import Blocks
-from latim_jax.kernels.decay import SSM, decay_tile, far_tapped, in_window, m1_far_or_near, m2_far_or_near
+from latim_jax.kernels.decay import (
+    SSM,
+    Decay,
+    compensated_cumsum,
+    decay_tile,
+    far_tapped,
+    in_window,
+    m1_far_or_near,
+    m2_far_or_near,
+)
 from latim_jax.kernels.products import bmul
 from latim_jax.latim.blocking import tiles
 from latim_jax.latim.factors import Factors
 from latim_jax.model.layers import activation, activation_gate, causal_conv, linear
+from latim_jax.parallel import sequence
 from latim_jax.parallel.context import XLA, Context
+from latim_jax.parallel.mesh import SEQ
 
 MODES = ("exact", "paper")
 
@@ -66,6 +77,16 @@ class MambaFactors(Factors):
     token_total: jax.Array | None
 
     form = "ssm"
+    positions = {  # what the score tiles read at target rows and at source columns (Factors)
+        "ssm.delta": (1, "sources"), "ssm.B": (1, "sources"), "ssm.C": (1, "rows"),
+        "ssm.decay.hi": (1, "both"), "ssm.decay.lo": (1, "both"), "a": (2, "sources"), "G": (1, "rows"),
+        "bias": (1, "rows"), "output": (1, "rows"), "h": (1, "rows"), "token_total": (1, "rows"),
+    }  # fmt: skip
+
+    @property
+    def halo(self) -> int:
+        """K - 1: a source's taps read M at the K - 1 columns after it."""
+        return self.a.shape[0] - 1
 
     @property
     def kind(self) -> str:
@@ -146,7 +167,8 @@ def factors(
         )
     return MambaFactors(
         mode=mode,
-        ssm=SSM.build(cfg.version, mixer.A, mixer.D[...].astype(f32), inter.delta, inter.B, inter.C),
+        ssm=SSM.build(cfg.version, mixer.A, mixer.D[...].astype(f32), inter.delta, inter.B, inter.C,
+                      cumulative_decay(inter.delta, ctx)),  # fmt: skip
         a=a,
         G=inter.G,
         W_out=W_out,
@@ -155,6 +177,23 @@ def factors(
         h=h.astype(f32),
         token_total=token_total(mixer, inter, a, W_out, ctx) if with_total else None,
     )
+
+
+def cumulative_decay(delta, ctx: Context) -> Decay:
+    """S, the compensated cumulative sum of Delta (b, l, c) that M reads (:class:`~latim_jax.kernels.decay.
+    Decay`); with the length split over a mesh's "seq" axis, each shard sums its own Delta and adds the
+    earlier shards' totals (:func:`latim_jax.parallel.sequence.compensated_offset`), so no device
+    gathers Delta (the whole-length scan over a split array did: 2 e l fp32 per device for Mamba-1)."""
+    seq = ctx.axis(SEQ)
+    if seq is None:
+        return compensated_cumsum(delta)
+
+    def local(delta):
+        S = compensated_cumsum(delta)
+        return sequence.compensated_offset(S.hi, S.lo, seq)
+
+    spec = sequence.rows_spec(ctx, delta.shape[0], None)
+    return Decay(*sequence.split(local, ctx, (spec,), (spec, spec))(delta))
 
 
 def out_proj_rounding(mixer, inter, W_out):

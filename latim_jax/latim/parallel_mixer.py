@@ -43,6 +43,7 @@ class ParallelFactors(Factors):
     kind = "parallel"
     channels_first = False
     parts = ("ssm_part", "attn_part")
+    positions = {"bias": (1, "rows"), "output": (1, "rows"), "h": (1, "rows"), "token_total": (1, "rows")}
 
     def pair_values(self, rows, j0, width: int, blocks: Blocks, *, channels_first: bool = False):
         """V_{ij} = [V^ssm_ij | V^attn_ij]: (b, r, width, e + H a), so that T_i(x_j) = V_{ij} @ W_out."""

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from latim_jax.kernels import f32, fused_scores
 from latim_jax.kernels.block_sizes import Blocks
 from latim_jax.kernels.fused_scores_tiles import alti_gain_signed
+from latim_jax.latim import source_window
 from latim_jax.latim.blocking import as_rows, blocked, row_tiles
 from latim_jax.latim.hidden_attention import (
     AGGREGATIONS,
@@ -201,6 +202,7 @@ def _split_layer_scores(f, method, rows, mask, blocks, aux, ctx: Context, aggreg
     rows_p = row_tiles(rows, m).reshape(-1)
     batch = P(data)
     minmax = method == "hidden_attention" and aggregation == "minmax" and has_ssm(f)
+    local = seq is not None and not minmax and f.sequence_local  # else the factors are gathered whole
     axes = tuple(a for a in (ctx.axis(MODEL), seq) if a is not None)
     all_rows = row_tiles(jnp.arange(length), m * d).reshape(m * d, -1)  # each device's share of every row
     tiles_ = f.tiles(rows_p.shape[0] // m, blocks)
@@ -214,7 +216,7 @@ def _split_layer_scores(f, method, rows, mask, blocks, aux, ctx: Context, aggreg
             signed = "signed" if minmax else aggregation
             if has_ssm(f):
                 return hidden_attention_scores(f.ssm, rows, mask, tiles_, signed, columns=columns)
-            return blocked(lambda rb, j0: f.attention_map(rb, j0, tiles_.cols), rows, length, tiles_,
+            return blocked(lambda rb, j0: f.attention_map(rb, j0, tiles_.cols), rows, f.length, tiles_,
                            columns=columns)  # fmt: skip
         if f.form == "diagonal":
             return jax.lax.dynamic_slice_in_dim(f.diagonal_scores(method, rows, aux), start, width, axis=2)
@@ -227,6 +229,12 @@ def _split_layer_scores(f, method, rows, mask, blocks, aux, ctx: Context, aggreg
                 precision=precision,
             )  # fmt: skip
         start = jax.lax.axis_index(seq) * width if seq else 0
+        if local:  # this device's sources, their halo and the asked rows only, a group of rows at a time
+            def group(rows):
+                fc, slots, auxc = source_window.compact(f, rows, aux, width=width, seq=seq)
+                return finish(window(fc, slots, auxc, mask, 1), rows, mask, start)
+
+            return source_window.by_groups(group, rows)
         if seq is None:  # minmax without "seq": the one-device path's signed map, rescaled below
             s = layer_scores(f, method, rows, mask=mask, ctx=ctx.local(), blocks=blocks, aggregation="signed")
         else:
@@ -237,15 +245,20 @@ def _split_layer_scores(f, method, rows, mask, blocks, aux, ctx: Context, aggreg
             if axes:
                 lo, hi = jax.lax.pmin(lo, axes), jax.lax.pmax(hi, axes)
             s = minmax_normalise(s, lo, hi)
+        return finish(s, rows, mask, start)
+
+    def finish(s, rows, mask, start):
         if method == "logit+alti":
             return (finish_scores(s[..., 0], "logit", rows, mask, start, seq),
                     finish_scores(s[..., 1], "alti", rows, mask, start, seq))  # fmt: skip
         return finish_scores(s, method, rows, mask, start, seq)
 
-    aux_spec = None if aux is None else batch
+    specs, aux_spec = factor_specs(f, batch, data), None if aux is None else batch
+    if local:  # the per-position arrays stay split as the forward built them
+        specs, aux_spec = source_window.split_specs(f, specs, seq), None if aux is None else P(data, seq)
     out_spec = P(data, ctx.axis(MODEL), seq)
     out = jax.shard_map(
-        scores, mesh=ctx.mesh, in_specs=(factor_specs(f, batch, data), P(ctx.axis(MODEL)), aux_spec, batch),
+        scores, mesh=ctx.mesh, in_specs=(specs, P(ctx.axis(MODEL)), aux_spec, batch),
         out_specs=(out_spec, out_spec) if method == "logit+alti" else out_spec, check_vma=False,
     )(f, rows_p, aux, mask)  # fmt: skip
     return jax.tree.map(lambda s: s[:, :r], out)

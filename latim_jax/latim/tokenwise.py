@@ -35,6 +35,7 @@ class TokenwiseFactors(Factors):
     form = "diagonal"
     channels_first = False
     W_out = None
+    positions = {"bias": (1, "rows"), "output": (1, "rows"), "h": (1, "rows"), "token_total": (1, "rows")}
 
     def pair_values(self, rows, j0, width: int, blocks: Blocks, *, channels_first: bool = False):
         """V_{ij} = T_i(x_j) = [i = j] o_i: (b, r, width, d)."""

@@ -17,8 +17,8 @@ from conftest import assert_logit_identity_padding_and_rows, rel_err
 import latim_jax
 from latim_jax.kernels import f32
 from latim_jax.kernels.decay import SSM
-from latim_jax.latim import memory
-from latim_jax.latim.factors import FORMS, Factors
+from latim_jax.latim import memory, source_window
+from latim_jax.latim.factors import FORMS, ROLES, Factors
 from latim_jax.latim.kinds import KINDS, factors, layer_factors
 from latim_jax.model import attention, delta_rule, mixers, mla, mlp, moe, parallel_mixer, shared_block
 from latim_jax.model.generate import generate
@@ -119,6 +119,19 @@ def test_every_kind_factors_implement_the_interface(name):
     if f.form == "diagonal":
         l2 = f.diagonal_scores("l2", rows)
         np.testing.assert_allclose(l2, jnp.linalg.norm(T, axis=-1), rtol=1e-5, atol=1e-6)
+    # the per-position declaration a mesh's "seq" axis reads (source_window): every declared path is a
+    # field with the length on its axis, and a sequence-local kind declares every per-position array
+    # (one left out would be read whole where the device holds only its window)
+    declared = source_window.layout(f) if f.sequence_local else {}
+    for path, (axis, role) in declared.items():
+        assert role in ROLES and source_window.get(f, path).shape[axis] == L, (name, path)
+    if f.sequence_local:
+        for keys, x in jax.tree_util.tree_flatten_with_path(f)[0]:
+            path = ".".join(k.name for k in keys)
+            if x.ndim >= 2 and L in x.shape[1:3] and path not in declared:
+                raise AssertionError(f"{name}: per-position field {path} {x.shape} is not in positions")
+    assert f.sequence_local == (name not in ("shared", "gdn", "kda")), name
+    assert f.halo == (3 if name in ("mamba1", "mamba2", "parallel") else 0), (name, f.halo)
 
 
 @pytest.mark.parametrize("version", [1, 2])

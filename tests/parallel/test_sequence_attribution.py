@@ -4,11 +4,15 @@ CPU devices in a subprocess (the device count must be set before jax starts).
 Every layer kind that splits the forward (Mamba-1; Mamba-2 beside attention, MLP and experts; parallel
 and shared blocks; Gated DeltaNet with attention; KDA with latent attention), every method (l2, l1,
 alti, logit with its rollout maps, hidden attention minmax and abs, grad_input), a row subset and every
-row, top_k, left padding across shard boundaries, a length that "seq" does not divide, and meshes that
-mix "seq" with "data" and "model". Each layer's score tiles are split by source columns: the test
-records the column window every scored layer ran on (l / D per device), so a path that quietly scored
-every column on every device fails, and alti's row sums cross the shards (a psum), so dropping that
-sum fails the equality.
+row, top_k, the gradient through the split score stage, left padding across shard boundaries, a length
+that "seq" does not divide, and meshes that mix "seq" with "data" and "model". Each layer's score tiles
+are split by source columns: the test records the column window every scored layer ran on (l / D per
+device), so a path that quietly scored every column on every device fails, and alti's row sums cross
+the shards (a psum), so dropping that sum fails the equality. It also records the length of the
+factors the tiles read: the sequence-local kinds (Mamba, attention, token-wise, parallel) score from
+the compacted window of latim_jax.latim.source_window (their own sources, the halo, the asked rows),
+so a path that gathered them whole fails; rows before, inside and after each window, in its halo and
+in the padding are all compared.
 """
 
 from __future__ import annotations
@@ -66,11 +70,12 @@ SCRIPT = textwrap.dedent(
         ("kda", "data=2 x seq=4", "alti", {}),
     ]
 
-    windows = []  # the column windows the score stage ran on
+    windows, lengths = [], []  # the column windows the score stage ran on, and its factors' lengths
     blocked_scores = scores_mod.blocked_scores
-    def spy(*args, columns=None, **kw):
+    def spy(f, *args, columns=None, **kw):
         windows.append(None if columns is None else columns[1])
-        return blocked_scores(*args, columns=columns, **kw)
+        lengths.append(f.length)
+        return blocked_scores(f, *args, columns=columns, **kw)
     scores_mod.blocked_scores = spy
 
     def rel(a, b):
@@ -85,7 +90,7 @@ SCRIPT = textwrap.dedent(
                                                method=method, mask=mask, impl="xla", **options, **kw)
         want = run()
         shape, axes = MESHES[mesh_name]
-        del windows[:]
+        del windows[:], lengths[:]
         got = run(mesh=Mesh(devices.reshape(shape), axes))
         errs = {"scores": rel(want.scores, got.scores)}
         for key, value in want.extra.items():
@@ -100,6 +105,28 @@ SCRIPT = textwrap.dedent(
         assert max(errs.values()) < TOL, (name, mesh_name, method, errs)
         if method in ("l2", "l1", "alti", "logit"):  # scored by source columns, l / D per device
             assert windows and set(windows) == {96 // d}, (name, method, windows)
+            # the sequence-local kinds score from their own sources, halo and asked rows (compacted to
+            # 1 + w + halo + rows slots, never the layer's 96 here); shared blocks and the delta rule
+            # are gathered whole (96)
+            compact = [n for n in lengths if n != 96]
+            assert compact and (96 in lengths) == (name in ("blocks", "gdn", "kda")), (name, lengths)
+
+    # differentiated through the split score stage (the compacted windows' psums and ppermutes
+    # transpose): the gradient of a loss on the alti scores equals one device's
+    import jax.numpy as jnp
+    from latim_jax.model.sharding import shard
+    hybrid = latim_jax.MambaLM(CFG["hybrid"], params["hybrid"])
+    embeds = jax.random.normal(jax.random.key(0), (1, 96, 16))
+    def loss(e, mesh):
+        s = latim_jax.attribute(hybrid, inputs_embeds=e, method="alti", rows=[5, 40, 95], impl="xla",
+                                layers=[0, 1], mesh=mesh, memory_limit=None).scores
+        return jnp.sum(s * s)
+    want = jax.grad(loss)(embeds, None)
+    seq8 = Mesh(devices, ("seq",))
+    shard(hybrid, seq8)  # laid out before the trace (attribute would lay it out in place)
+    err = rel(want, jax.grad(loss)(embeds, seq8))
+    print("REL grad", err, flush=True)
+    assert err < TOL, err
 
     # the memory check is per device on a mesh: a limit between the per-device and the one-device
     # estimates refuses the call on one device and lets the seq-split call run
