@@ -29,6 +29,7 @@ from latim_jax.kernels.block_sizes import Blocks
 from latim_jax.latim.factors import Factors
 from latim_jax.latim.mamba import check_mode
 from latim_jax.model.layers import activation, activation_gate, linear
+from latim_jax.parallel import sequence
 from latim_jax.parallel.context import XLA, Context
 
 
@@ -59,8 +60,21 @@ class DeltaFactors(Factors):
     h: jax.Array
     token_total: jax.Array | None
     ctx: Context = dataclasses.field(default=XLA, metadata=dict(static=True))
+    halo_m: jax.Array | None = None
+    window_end: int = dataclasses.field(default=0, metadata=dict(static=True))
 
     channels_first = False
+    positions = {
+        "q": (1, "sources"), "k": (1, "sources"), "g": (1, "sources"), "beta": (1, "sources"),
+        "a": (2, "sources"), "G": (1, "rows"), "bias": (1, "rows"), "output": (1, "rows"), "h": (1, "rows"),
+        "token_total": (1, "rows"), "chunks.local": (1, "chunks"), "chunks.inject": (1, "chunks"),
+        "chunks.readout": (1, "chunks"), "chunks.carry": (1, "chunks"),
+    }  # fmt: skip
+
+    @property
+    def slot_unit(self) -> int:
+        """C: M's tile factors are per chunk of C positions."""
+        return self.chunks.local.shape[-1]
 
     def m_tile(self, rows, c0, width: int, blocks: Blocks | None = None):
         """M[rows, c0 : c0 + width] per value head, (b, H, r, width), from ``chunks``
@@ -76,6 +90,10 @@ class DeltaFactors(Factors):
         b, K, _, e = self.a.shape
         H = self.beta.shape[-1]
         M = self.m_tile(rows, j0, width + K - 1, blocks)  # (b, H, r, width + K - 1)
+        if self.halo_m is not None:  # compacted: M at the next shard's first K - 1 columns, per row slot
+            at = j0 + jnp.arange(width + K - 1) - self.window_end
+            halo = jnp.take(jnp.take(self.halo_m, rows, axis=2), jnp.clip(at, 0, K - 2), axis=3)
+            M = M + jnp.where((at >= 0) & (at < K - 1), halo, 0.0)
         cols = j0 + jnp.arange(width)
         a = jnp.take(self.a, cols, axis=2, mode="fill", fill_value=0).reshape(b, K, width, H, e // H)
         acc = sum(jnp.einsum("bhrw,bwhv->brwhv", M[..., k : k + width], a[:, k]) for k in range(K))
@@ -85,6 +103,72 @@ class DeltaFactors(Factors):
         """These factors times a post-norm's held scale r (b, l, 1) at the target (into G) and its weight
         w (d,) (into W_out); :func:`latim_jax.latim.kinds.post_normed` scales the rest."""
         return dataclasses.replace(self, G=self.G * r, W_out=self.W_out * w)
+
+    def compacted(self, rows, slots, *, width: int, lead: int, seq: str):
+        """M's tile factors for a device's compacted window (:mod:`latim_jax.latim.source_window`; inside
+        ``jax.shard_map``, ``chunks`` holding this device's w / C chunks). The compacted chunks are
+
+            one empty chunk (the rows before the window), the window's own chunks, then the asked rows
+            after the window C to a chunk: readout rho_t, carry I, no local block or injection,
+
+        where rho_t is what row t reads of the state leaving this window, readout_I[i] carry_{I-1} ...
+        carry_{first chunk after the window}, so that M's chunk walk gives rho_t carry ... inject_J[:, a]
+        = M[t, j] for every source j in the window. rho comes from the rows' owners: each carries its rows'
+        readouts back to its first chunk (a reverse scan over its chunks), and a log-depth suffix over
+        the shards' maps X -> own + X P_s (P_s the product of a shard's carries) gives every device
+        the next shard's (:func:`latim_jax.parallel.sequence.prefix`, ``reverse``). The conv taps read M
+        at the K - 1 columns after the window, which the next shard owns: it computes them for the asked
+        rows from its own compacted chunks and passes them back (``halo_m`` (b, H, slots, K - 1), one
+        ``ppermute``), and :meth:`pair_values` adds them there."""
+        ch = self.chunks
+        b, n_w, H, C, dk = ch.readout.shape
+        K, g = self.a.shape[1], rows.shape[0]
+        if K - 1 > width:
+            raise ValueError(f"a conv halo of {K - 1} columns needs {K - 1} positions a shard, found {width}")
+        s, eye = jax.lax.axis_index(seq), jnp.eye(dk, dtype=f32)
+        owner = rows // width
+        chunk, at = (rows - owner * width) // C, (rows - owner * width) % C
+        mul = lambda x, P: jnp.einsum("bhrk,bhkm->bhrm", x, P, precision="highest")  # noqa: E731
+
+        def back(Z, x):  # chunk i, last to first: the rows after it take its carry, its own rows start
+            i, rd, P = x
+            Z = jnp.where((chunk > i)[:, None], mul(Z, P), Z)
+            return jnp.where((chunk == i)[:, None], jnp.take(rd, at, axis=2), Z), None
+
+        def through(T, P):  # P_s = carry_last ... carry_first
+            return jnp.einsum("bhkm,bhmn->bhkn", P, T, precision="highest"), None
+
+        by_chunk = lambda x: jnp.moveaxis(x, 1, 0)  # noqa: E731
+        Z, _ = jax.lax.scan(back, jnp.zeros((b, H, g, dk), f32), (jnp.arange(n_w), by_chunk(ch.readout),
+                            by_chunk(ch.carry)), reverse=True)  # fmt: skip
+        own = jnp.where((owner == s)[:, None], Z, 0.0)
+        P, _ = jax.lax.scan(through, jnp.broadcast_to(eye, (b, H, dk, dk)), by_chunk(ch.carry))
+
+        def combine(earlier, later):  # X -> o1 + X P1 after X -> o2 + X P2
+            (P1, o1), (P2, o2) = earlier, later
+            return jnp.einsum("bhkm,bhmn->bhkn", P2, P1, precision="highest"), o1 + mul(o2, P1)
+
+        rho = sequence.shift_one(sequence.prefix((P, own), combine, seq, reverse=True), seq, reverse=True)[1]
+        n_r = -(-g // C)
+        order = jnp.argsort(jnp.argsort(rows))
+        readout = jnp.zeros((b, H, n_r * C, dk), f32).at[:, :, order].set(rho)
+        readout = jnp.moveaxis(readout.reshape(b, H, n_r, C, dk), 2, 1)
+        zero = lambda x, n: jnp.zeros((b, n, *x.shape[2:]), x.dtype)  # noqa: E731
+        chunks = delta_rule.TileFactors(
+            local=jnp.concatenate([zero(ch.local, 1), ch.local, zero(ch.local, n_r)], 1),
+            inject=jnp.concatenate([zero(ch.inject, 1), ch.inject, zero(ch.inject, n_r)], 1),
+            readout=jnp.concatenate([zero(ch.readout, 1), ch.readout, readout], 1),
+            carry=jnp.concatenate([zero(ch.carry, 1), ch.carry, jnp.broadcast_to(eye, (b, n_r, H, dk, dk))],
+                                  1),
+        )  # fmt: skip
+        f = dataclasses.replace(self, chunks=chunks, window_end=lead + width)
+        if K == 1:
+            return f
+        first = f.m_tile(slots, lead, K - 1)  # (b, H, g, K - 1): M at this window's first columns
+        n = jax.lax.axis_size(seq)
+        mine = jax.lax.ppermute(first, seq, [(i, i - 1) for i in range(1, n)])  # the next shard's
+        halo_m = jnp.zeros((b, H, lead + width + n_r * C, K - 1), f32).at[:, :, slots].set(mine)
+        return dataclasses.replace(f, halo_m=halo_m)
 
     def attention_map(self, rows, j0, width: int):
         """The hidden attention for the baseline: M averaged over the value heads, (b, r, width)."""

@@ -23,16 +23,18 @@ stream h entering the layer. The scores, the attribution loop and the conservati
     parts, replicated          a kind made of parts names the fields holding their factors (the mesh's
                                score stage lays each part out as its own kind); ``replicated`` names its
                                arrays without a batch axis (weights)
-    positions, halo, sequence_local
+    positions, halo, sequence_local, slot_unit, compacted
                                optional, for a mesh's "seq" axis: ``positions`` maps each per-position
                                field (a dotted path) to (its length axis, its role: "rows", read at
-                               target rows; "sources", read at source columns; "both"); ``halo`` the
-                               source columns past a source that its pair values read (the conv taps:
-                               K - 1); ``sequence_local`` whether the pair values read positions only
-                               through their order and equality, so that one device may score its
-                               column window from a compacted sequence of its own sources, the halo
-                               and the asked rows (:mod:`latim_jax.latim.source_window`); a kind
-                               without it is gathered whole to every device instead
+                               target rows; "sources", read at source columns; "both"; "chunks", a
+                               per-chunk array of ``slot_unit`` positions each, which the kind's
+                               ``compacted`` rebuilds); ``halo`` the source columns past a source
+                               that its pair values read (the conv taps: K - 1); ``sequence_local``
+                               whether the pair values read positions only through their order and
+                               equality, so that one device may score its column window from a
+                               compacted sequence of its own sources, the halo and the asked rows
+                               (:mod:`latim_jax.latim.source_window`); a kind without it is gathered
+                               whole to every device instead
 
 tests/latim/test_kinds.py builds every registered kind and checks this interface and its identities.
 """
@@ -45,7 +47,7 @@ from latim_jax.kernels.block_sizes import Blocks
 from latim_jax.latim.blocking import tiles
 
 FORMS = ("ssm", "pairs", "diagonal")
-ROLES = ("rows", "sources", "both")  # how a per-position field is read (``positions``)
+ROLES = ("rows", "sources", "both", "chunks")  # how a per-position field is read (``positions``)
 
 
 class Factors:
@@ -64,6 +66,19 @@ class Factors:
         """The source columns past a source j that its pair values read (M at j + k for the conv taps);
         a kind made of parts takes its parts' largest."""
         return max([0] + [getattr(self, name).halo for name in self.parts])
+
+    @property
+    def slot_unit(self) -> int:
+        """The positions of one chunk of the kind's per-chunk factors (1: none): a device's window and
+        its compacted slots are whole chunks."""
+        return max([1] + [getattr(self, name).slot_unit for name in self.parts])
+
+    def compacted(self, rows, slots, *, width: int, lead: int, seq: str):
+        """The kind's own part of the compaction inside ``jax.shard_map`` (its "chunks" fields; the
+        per-position ones are done), for the asked ``rows`` (g,) at ``slots``, a window of ``width``
+        positions after ``lead`` slots: these factors unchanged for a kind without chunks."""
+        del rows, slots, width, lead, seq
+        return self
 
     @property
     def sequence_local(self) -> bool:

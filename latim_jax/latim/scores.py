@@ -202,7 +202,7 @@ def _split_layer_scores(f, method, rows, mask, blocks, aux, ctx: Context, aggreg
     rows_p = row_tiles(rows, m).reshape(-1)
     batch = P(data)
     minmax = method == "hidden_attention" and aggregation == "minmax" and has_ssm(f)
-    local = seq is not None and not minmax and f.sequence_local  # else the factors are gathered whole
+    local = seq is not None and not minmax and f.sequence_local and width % f.slot_unit == 0  # else gathered
     axes = tuple(a for a in (ctx.axis(MODEL), seq) if a is not None)
     all_rows = row_tiles(jnp.arange(length), m * d).reshape(m * d, -1)  # each device's share of every row
     tiles_ = f.tiles(rows_p.shape[0] // m, blocks)
@@ -232,7 +232,7 @@ def _split_layer_scores(f, method, rows, mask, blocks, aux, ctx: Context, aggreg
         if local:  # this device's sources, their halo and the asked rows only, a group of rows at a time
             def group(rows):
                 fc, slots, auxc = source_window.compact(f, rows, aux, width=width, seq=seq)
-                return finish(window(fc, slots, auxc, mask, 1), rows, mask, start)
+                return finish(window(fc, slots, auxc, mask, f.slot_unit), rows, mask, start)
 
             return source_window.by_groups(group, rows)
         if seq is None:  # minmax without "seq": the one-device path's signed map, rescaled below

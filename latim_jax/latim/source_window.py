@@ -18,7 +18,9 @@ These are laid out as one compacted sequence of n = 1 + (w + halo) + g slots,
     1 .. w + halo        the window and its halo, in order (a row inside them takes its own slot)
     w + halo + 1 ..      the rows after them, in the order of their positions
 
-so the slots keep the positions' order and equality, which is all the pair values of a
+(a kind with per-chunk factors, the delta rule, takes a whole chunk for slot 0 and pads the rows to
+whole chunks: ``slot_unit``, and rebuilds its chunks in its own ``compacted``), so the slots keep the
+positions' order and equality, which is all the pair values of a
 ``sequence_local`` kind read (causal masks, the diagonal, is_far): the tiles run unchanged on the
 compacted factors with the column window (1, w) and give the same values as the whole layer's. The
 asked rows' scores are then finished in global positions (:func:`latim_jax.latim.scores.finish_scores`).
@@ -55,9 +57,10 @@ def get(tree, path: str):
 
 
 def put(tree, path: str, value):
-    """``tree`` with the field at a dotted ``path`` replaced (nested dataclasses, frozen)."""
+    """``tree`` with the field at a dotted ``path`` replaced (nested frozen dataclasses and NamedTuples)."""
     name, _, rest = path.partition(".")
-    return dataclasses.replace(tree, **{name: put(getattr(tree, name), rest, value) if rest else value})
+    changes = {name: put(getattr(tree, name), rest, value) if rest else value}
+    return tree._replace(**changes) if hasattr(tree, "_replace") else dataclasses.replace(tree, **changes)
 
 
 def split_specs(f, specs, seq: str):
@@ -76,17 +79,22 @@ def compact(f, rows, aux, *, width: int, seq: str):
     (b, w, d) or None likewise): the compacted factors, the asked ``rows`` (g,) as their slots, and aux
     compacted alike (see the module docstring)."""
     d, s = jax.lax.axis_size(seq), jax.lax.axis_index(seq)
-    start, halo = s * width, f.halo
+    start, halo, lead = s * width, f.halo, f.slot_unit  # lead: slot 0's chunk (one slot without chunks)
     if halo > width:
         raise ValueError(f"a halo of {halo} columns needs at least {halo} positions per shard, found {width}")
+    g = rows.shape[0]
+    tail = -(-g // lead) * lead - g  # the rows' slots padded to whole chunks
     owner = rows // width
     local, mine = rows - owner * width, owner == s
     inside = (rows >= start) & (rows < start + width + halo)
     order = jnp.argsort(jnp.argsort(rows))
-    slots = jnp.where(rows < start, 0, jnp.where(inside, 1 + rows - start, 1 + width + halo + order))
+    slots = jnp.where(rows < start, 0, jnp.where(inside, lead + rows - start, lead + width + halo + order))
+
+    def zeros(x, axis: int, n: int):
+        return jnp.zeros((*x.shape[:axis], n, *x.shape[axis + 1 :]), x.dtype)
 
     def one(x, axis: int, role: str):
-        parts = [jnp.zeros_like(jax.lax.slice_in_dim(x, 0, 1, axis=axis)), x]
+        parts = [zeros(x, axis, lead), x]
         if halo:
             first = jax.lax.slice_in_dim(x, 0, halo, axis=axis)
             parts.append(jax.lax.ppermute(first, seq, [(i, i - 1) for i in range(1, d)]))
@@ -95,13 +103,15 @@ def compact(f, rows, aux, *, width: int, seq: str):
             at_rows = jnp.zeros_like(at_rows)
         else:
             shape = [1] * x.ndim
-            shape[axis] = rows.shape[0]
+            shape[axis] = g
             owned = jnp.where(mine.reshape(shape), at_rows, jnp.zeros_like(at_rows))
             at_rows = jax.lax.psum(owned.astype(jnp.int32) if x.dtype == bool else owned, seq).astype(x.dtype)
-        return jnp.concatenate(parts + [at_rows], axis=axis)
+        return jnp.concatenate(parts + [at_rows, zeros(x, axis, tail)], axis=axis)
 
     for path, (axis, role) in layout(f).items():
-        f = put(f, path, one(get(f, path), axis, role))
+        if role != "chunks":  # the kind's own (compacted below)
+            f = put(f, path, one(get(f, path), axis, role))
+    f = f.compacted(rows, slots, width=width, lead=lead, seq=seq)
     return f, slots, None if aux is None else one(aux, 1, "rows")
 
 

@@ -88,25 +88,32 @@ def gather_rows(x, axis: str = SEQ):
     return jax.lax.all_gather(x, axis, axis=1, tiled=True)
 
 
-def prefix(summary, combine, axis: str = SEQ):
+def prefix(summary, combine, axis: str = SEQ, *, reverse: bool = False):
     """The inclusive prefix of the shards' ``summary`` (a pytree, one per shard) under an associative
-    ``combine(earlier, later)``: shard k gets summary_0 o ... o summary_k. A log-depth (Hillis-Steele)
-    scan: log2(D) rounds, each one ``ppermute`` of one summary to the shard 2^r further on and one
-    combine, so a device holds and sends O(log D) summaries, not the D an ``all_gather`` would bring."""
+    ``combine(earlier, later)``: shard k gets summary_0 o ... o summary_k (``reverse``: the suffix,
+    summary_k o ... o summary_{D-1}). A log-depth (Hillis-Steele) scan: log2(D) rounds, each one
+    ``ppermute`` of one summary to the shard 2^r further on (back) and one combine, so a device holds and
+    sends O(log D) summaries, not the D an ``all_gather`` would bring."""
     n, k = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
     acc, step = summary, 1
     while step < n:
-        earlier = jax.lax.ppermute(acc, axis, [(i, i + step) for i in range(n - step)])  # 0 below step
-        joined, received = combine(earlier, acc), k >= step
+        if reverse:
+            later = jax.lax.ppermute(acc, axis, [(i + step, i) for i in range(n - step)])  # 0 at the end
+            joined, received = combine(acc, later), k < n - step
+        else:
+            earlier = jax.lax.ppermute(acc, axis, [(i, i + step) for i in range(n - step)])  # 0 below step
+            joined, received = combine(earlier, acc), k >= step
         acc = jax.tree.map(lambda j, a, r=received: jnp.where(r, j, a), joined, acc)
         step *= 2
     return acc
 
 
-def shift_one(x, axis: str = SEQ):
-    """x of the previous shard (zeros on shard 0): an inclusive prefix made exclusive."""
+def shift_one(x, axis: str = SEQ, *, reverse: bool = False):
+    """x of the previous shard (zeros on shard 0): an inclusive prefix made exclusive; ``reverse``: x of
+    the next shard (zeros on the last)."""
     n = jax.lax.axis_size(axis)
-    return jax.tree.map(lambda a: jax.lax.ppermute(a, axis, [(i, i + 1) for i in range(n - 1)]), x)
+    pairs = [(i + 1, i) for i in range(n - 1)] if reverse else [(i, i + 1) for i in range(n - 1)]
+    return jax.tree.map(lambda a: jax.lax.ppermute(a, axis, pairs), x)
 
 
 def from_last(x, axis: str = SEQ):

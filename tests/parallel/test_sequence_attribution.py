@@ -9,7 +9,7 @@ that "seq" does not divide, and meshes that mix "seq" with "data" and "model". E
 are split by source columns: the test records the column window every scored layer ran on (l / D per
 device), so a path that quietly scored every column on every device fails, and alti's row sums cross
 the shards (a psum), so dropping that sum fails the equality. It also records the length of the
-factors the tiles read: the sequence-local kinds (Mamba, attention, token-wise, parallel) score from
+factors the tiles read: the sequence-local kinds (all but the shared block) score from
 the compacted window of latim_jax.latim.source_window (their own sources, the halo, the asked rows),
 so a path that gathered them whole fails; rows before, inside and after each window, in its halo and
 in the padding are all compared.
@@ -106,10 +106,10 @@ SCRIPT = textwrap.dedent(
         if method in ("l2", "l1", "alti", "logit"):  # scored by source columns, l / D per device
             assert windows and set(windows) == {96 // d}, (name, method, windows)
             # the sequence-local kinds score from their own sources, halo and asked rows (compacted to
-            # 1 + w + halo + rows slots, never the layer's 96 here); shared blocks and the delta rule
-            # are gathered whole (96)
+            # 1 + w + halo + rows slots, or whole chunks of them for the delta rule, never the
+            # layer's 96 here); shared blocks are gathered whole (96)
             compact = [n for n in lengths if n != 96]
-            assert compact and (96 in lengths) == (name in ("blocks", "gdn", "kda")), (name, lengths)
+            assert compact and (96 in lengths) == (name == "blocks"), (name, lengths)
 
     # differentiated through the split score stage (the compacted windows' psums and ppermutes
     # transpose): the gradient of a loss on the alti scores equals one device's
