@@ -43,20 +43,35 @@ from latim_jax.model.parallel_mixer import PARALLEL
 from latim_jax.model.shared_block import SHARED
 from latim_jax.parallel.context import XLA, Context, resolve
 
-# the registration: each kind's declaration with its decomposition
-for _kind, _factors in (
-    (MAMBA1, mamba.factors),
-    (MAMBA2, mamba.factors),
-    (ATTENTION, attention.factors),
-    (MLP, tokenwise.factors),
-    (MOE, tokenwise.factors),
-    (PARALLEL, parallel_mixer.factors),
-    (SHARED, shared_block.factors),
-    (GDN, delta_rule.factors),
-    (KDA, delta_rule.factors),
-    (MLA, mla.factors),
+
+def _own_window(config, width: int) -> bool:  # sequence-local factors without chunks
+    del config, width
+    return True
+
+
+def _unwindowed(config, width: int) -> bool:  # attention reads distances under a sliding window
+    del width
+    return config.sliding_window == 0
+
+
+def _whole_chunks(name: str):  # the delta rule: a shard of whole chunks of M's tile factors
+    return lambda config, width: width % config.section(name).chunk == 0
+
+
+# the registration: each kind's declaration with its decomposition and where its scores run over "seq"
+for _kind, _factors, _window in (
+    (MAMBA1, mamba.factors, _own_window),
+    (MAMBA2, mamba.factors, _own_window),
+    (ATTENTION, attention.factors, _unwindowed),
+    (MLP, tokenwise.factors, _own_window),
+    (MOE, tokenwise.factors, _own_window),
+    (PARALLEL, parallel_mixer.factors, _unwindowed),
+    (SHARED, shared_block.factors, None),  # gathered: its source values read every target
+    (GDN, delta_rule.factors, _whole_chunks("gdn")),
+    (KDA, delta_rule.factors, _whole_chunks("kda")),
+    (MLA, mla.factors, _own_window),
 ):
-    register(_kind, factors=_factors, replace=True)
+    register(_kind, factors=_factors, window_scores=_window, replace=True)
 
 KINDS = registered()  # name -> LayerKind, a live read-only view of the registry
 MODES = mamba.MODES

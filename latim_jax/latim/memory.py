@@ -24,9 +24,10 @@ it next to measured peaks.
 On a mesh (``split``: the sizes of its "data", "model" and "seq" axes) the estimate is per device: the
 prompts divide over "data" everywhere; the score matrix and the output divide over "model" (rows) and
 "seq" (source columns); the streams divide over "seq" (the split forward holds l / D positions of each);
-the layer's working set keeps the whole length, because the scored layer's factors are gathered whole to
-every device at the score stage (docs/performance.md: measured 0.5-1.2x one device's); the parameters
-are counted whole.
+the layer's working set is that of a device's compacted window (its l / D sources, their halo and up to
+512 asked rows: :mod:`latim_jax.latim.source_window`) for a kind that scores its own window
+(``LayerKind.window_scores``), and keeps the whole length for one whose factors are gathered whole
+(the shared block; attention with a sliding window); the parameters are counted whole.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import jax
 import numpy as np
 
 from latim_jax.latim.blocking import tiles
+from latim_jax.latim.source_window import GROUP_ROWS
 from latim_jax.model.kind import kind_of
 from latim_jax.parallel.mesh import AXES
 
@@ -119,8 +121,12 @@ def estimate(
     else:  # one pass over the layers: the stream entering the layer and the next one
         streams = 2 * b * L_dev * d * f4
     blk = tiles(c.version, L, None, blocks)
-    # one layer at a time: the largest of the kinds' working sets (LayerKind.memory)
-    layer = max(kind_of(k).memory(c, b, L, blk.rows, blk.cols) for k in dict.fromkeys(c.kinds))
+    # one layer at a time: the largest of the kinds' working sets (LayerKind.memory), at the length of a
+    # device's compacted window over "seq" where the kind scores its own (LayerKind.window_scores)
+    layer = max(
+        kind.memory(c, b, _scored_length(kind, c, L, L_dev, R_dev, split["seq"]), blk.rows, blk.cols)
+        for kind in map(kind_of, dict.fromkeys(c.kinds))
+    )
     layer_scores = b * R_dev * L_dev * f4
     itemsize = np.dtype(out_dtype).itemsize if out_dtype != "bfloat16" else 2
     if stream:
@@ -132,6 +138,16 @@ def estimate(
     if method == "logit" and rows is None and layers is None and not stream:
         output += c.n_layers * b * R_dev * L_dev * f4
     return MemoryEstimate(parameters=params, streams=streams, layer=layer + layer_scores, output=output)
+
+
+def _scored_length(kind, config, length: int, width: int, rows: int, seq: int) -> int:
+    """The positions a device's score stage holds of one layer: the whole ``length``, or over ``seq`` > 1
+    shards of ``width`` the compacted window of a kind that scores its own (:mod:`latim_jax.latim.
+    source_window`: an empty chunk, the window, its halo and a group of the asked rows, at most one
+    delta-rule chunk of padding each side counted as 64)."""
+    if seq == 1 or not kind.window_scores(config, width):
+        return length
+    return min(length, width + kind.halo(config) + min(rows, GROUP_ROWS) + 2 * 64)
 
 
 SPLIT_AXES = AXES  # the mesh axes a call can be split over

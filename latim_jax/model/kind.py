@@ -30,6 +30,13 @@ library knows of a kind is one :class:`LayerKind`, declared beside its module (`
                          the model's kinds (``MambaLM.split_length``)
     factors              its decomposition: factors(block, h, mask, ctx, mode, *, hold_fixed, with_total)
                          (:mod:`latim_jax.latim.kinds` documents the interface its result implements)
+    window_scores(config, width)
+                         whether, over a "seq" axis of shards of ``width`` positions, its score stage
+                         runs on each device's own window (its factors are ``sequence_local`` and
+                         ``width`` is whole ``slot_unit``s: :mod:`latim_jax.latim.source_window`), not
+                         on the layer gathered whole (the default); registered with ``factors``, read by
+                         the memory estimate, and checked against the factors for every kind by
+                         tests/latim/test_kinds.py
 
 The registry is filled in one place, :mod:`latim_jax.latim.kinds` (the floor that can see both a kind's
 module and its decomposition), which imports with the package: ``register(MAMBA2, factors=...)``.
@@ -59,6 +66,11 @@ def _no_memory(config, b: int, length: int, rows: int, cols: int) -> int:
     return 0
 
 
+def _gathered(config, width: int) -> bool:
+    del config, width
+    return False
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LayerKind:
     """Everything the library knows of one layer kind (the module docstring lists the fields)."""
@@ -80,6 +92,7 @@ class LayerKind:
     splits_sequence: bool = False
     halo: Callable[[Any], int] = _no_halo
     factors: Callable | None = None
+    window_scores: Callable[[Any, int], bool] = _gathered
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -107,13 +120,18 @@ class LayerKind:
 _REGISTRY: dict[str, LayerKind] = {}
 
 
-def register(kind: LayerKind, *, factors: Callable | None = None, replace: bool = False) -> LayerKind:
-    """Add ``kind`` to the registry (with its decomposition ``factors`` when given) and return it as
-    registered. A name already registered is an error unless ``replace``."""
+def register(
+    kind: LayerKind, *, factors: Callable | None = None, window_scores: Callable | None = None,
+    replace: bool = False,
+) -> LayerKind:  # fmt: skip
+    """Add ``kind`` to the registry (with its decomposition ``factors`` and ``window_scores`` when given)
+    and return it as registered. A name already registered is an error unless ``replace``."""
     if not isinstance(kind, LayerKind):
         raise TypeError(f"register takes a LayerKind, found {type(kind).__name__}")
     if factors is not None:
         kind = dataclasses.replace(kind, factors=factors)
+    if window_scores is not None:
+        kind = dataclasses.replace(kind, window_scores=window_scores)
     if kind.factors is None:
         raise ValueError(f"layer kind {kind.name!r} is registered without its decomposition (factors=)")
     if kind.name in _REGISTRY and not replace:

@@ -132,6 +132,9 @@ def test_every_kind_factors_implement_the_interface(name):
             if x.ndim >= 2 and {L, -(-L // f.slot_unit)} & set(x.shape[1:3]) and path not in declared:
                 raise AssertionError(f"{name}: per-position field {path} {x.shape} is not in positions")
     assert f.sequence_local == (name != "shared"), name
+    for width in (4, 6):  # the kind's declaration (read by the memory estimate) says what its factors do
+        local = f.sequence_local and width % f.slot_unit == 0
+        assert kind_of(name).window_scores(model.config, width) == local, (name, width)
     assert f.halo == (3 if name in ("mamba1", "mamba2", "parallel") else 0), (name, f.halo)
 
 

@@ -33,9 +33,9 @@ def test_estimate_scales_as_the_output_does(model):
 
 def test_a_mesh_divides_what_it_splits_per_device(model):
     """On a mesh the estimate is per device: the prompts divide over "data", the score matrix and the
-    output over "model" (rows) and "seq" (columns), the streams over "seq"; the layer's working set
-    keeps the whole length (its factors are gathered whole at the score stage); a refusal says "per
-    device"; a bad split is refused by name."""
+    output over "model" (rows) and "seq" (columns), the streams over "seq"; the layer's working set is
+    a device's compacted window for a kind that scores its own (Mamba, here) and the whole length for
+    one gathered whole (a shared block); a refusal says "per device"; a bad split is refused by name."""
     from latim_jax.latim.memory import check_fits
 
     L, d = 128, CFG.d_model
@@ -44,7 +44,17 @@ def test_a_mesh_divides_what_it_splits_per_device(model):
     assert split.output * 16 == one.output  # 4 prompts x L rows x L columns over 2 x 2 x 4 devices
     assert split.streams == 2 * 2 * (L // 4) * d * 4 and one.streams == 2 * 4 * L * d * 4
     two = estimate(model, 2, L, method="l2")  # the working set of 2 prompts at the whole length
-    assert split.layer - 2 * (L // 2) * (L // 4) * 4 == two.layer - 2 * L * L * 4
+    assert split.layer - 2 * (L // 2) * (L // 4) * 4 == two.layer - 2 * L * L * 4  # the window spans the layer here
+    # a long prompt's last row over seq = 8: the Mamba layer's working set falls about 8x (its window of
+    # 1/8 of the sources, the halo, one row), a shared block's does not (gathered)
+    long_one, long_seq = (estimate(model, 1, 32768, rows=1, split=sp).layer for sp in (None, {"seq": 8}))
+    assert 6 < long_one / long_seq < 8.5, long_one / long_seq
+    shared_cfg = MambaConfig(version=2, d_model=16, n_layers=2, vocab_size=32, d_state=4, head_dim=4,
+                             layer_kinds=("shared", "mamba2"), attn_heads=2, attn_kv_heads=1, attn_head_dim=8,
+                             mlp_width=24, mlp_gated=True)  # fmt: skip
+    shared = latim_jax.MambaLM(shared_cfg, init_params(shared_cfg, 0))
+    sh_one, sh_seq = (estimate(shared, 1, 32768, rows=1, split=sp).layer for sp in (None, {"seq": 8}))
+    assert sh_seq > 0.9 * sh_one, (sh_one, sh_seq)
     assert split.parameters == one.parameters
     assert estimate(model, 4, L, split={"data": 1}) == estimate(model, 4, L)
     with pytest.raises(InsufficientMemoryError, match=r"per device \(mesh data=2, seq=4\)"):
