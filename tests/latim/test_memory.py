@@ -44,7 +44,7 @@ def test_a_mesh_divides_what_it_splits_per_device(model):
     assert split.output * 16 == one.output  # 4 prompts x L rows x L columns over 2 x 2 x 4 devices
     assert split.streams == 2 * 2 * (L // 4) * d * 4 and one.streams == 2 * 4 * L * d * 4
     two = estimate(model, 2, L, method="l2")  # the working set of 2 prompts at the whole length
-    assert split.layer - 2 * (L // 2) * (L // 4) * 4 == two.layer - 2 * L * L * 4  # the window spans the layer here
+    assert split.layer - 2 * (L // 2) * (L // 4) * 4 == two.layer - 2 * L * L * 4  # window = layer
     # a long prompt's last row over seq = 8: the Mamba layer's working set falls about 8x (its window of
     # 1/8 of the sources, the halo, one row), a shared block's does not (gathered)
     long_one, long_seq = (estimate(model, 1, 32768, rows=1, split=sp).layer for sp in (None, {"seq": 8}))
