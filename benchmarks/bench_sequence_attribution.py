@@ -16,9 +16,10 @@ nothing of the score loop's split; the split is checked by tests/parallel/test_s
 which records each device's column window.)
 
 What it shows: the score tiles are split by source columns over "seq" (each device scores every asked
-row against its l / D sources), so the score work and the output fall as 1/D; the scored layer's
-factors are gathered whole to every device (the all-gathers below), so that part of the memory does
-not fall (docs/performance.md). Nothing here needs an accelerator.
+row against its l / D sources), so the score work and the output fall as 1/D, and each device holds the
+scored layer's factors at its own sources, their halo and the asked rows (latim/source_window.py), so
+the memory falls too (0.18-0.21x at seq = 8 for the recurrent kinds; docs/performance.md). The
+all-gathers left are the attention forward's K/V. Nothing here needs an accelerator.
 """
 
 from __future__ import annotations

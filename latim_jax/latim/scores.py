@@ -182,15 +182,17 @@ def _split_layer_scores(f, method, rows, mask, blocks, aux, ctx: Context, aggreg
     rows against the sources [s w, (s + 1) w), w = l / D (the layer's length is a multiple of D: the
     forward pads it), so the score work and the output are split D ways.
 
-    Each device holds the whole layer's factors for its prompts (split over "seq", they are gathered
-    from the sequence-split forward that built them: O(l e) per device for the scored layer). What
-    crosses devices besides: alti's row sums (a psum over "seq" before the normalisation) and the
-    minmax hidden attention's range, which spans every row: each device takes the range over its share
-    of all rows, the shares combine by a min and a max over "model" and "seq", and each device's asked
-    rows (the plain channel mean) are rescaled by it: the whole range computed once across the mesh,
-    not once per device. Without "seq" a device runs the one-device path (:func:`layer_scores`, the
-    fused kernel included); with it the tiles run on the XLA path (the fused score kernel takes no
-    column window).
+    Over "seq" a device keeps the factors where the split forward built them: a kind that scores its
+    own window (``sequence_local``, :mod:`latim_jax.latim.source_window`) holds its w sources, their
+    halo and a group of the asked rows' row fields, compacted into one short sequence; any other (the
+    shared block, attention with a sliding window, the minmax hidden attention, whose range spans every
+    pair) has the layer's factors gathered whole (O(l e) per device). What crosses devices besides:
+    alti's row sums (a psum over "seq" before the normalisation) and the minmax hidden attention's
+    range, which spans every row: each device takes the range over its share of all rows, the shares
+    combine by a min and a max over "model" and "seq", and each device's asked rows (the plain channel
+    mean) are rescaled by it: the whole range computed once across the mesh, not once per device.
+    Without "seq" a device runs the one-device path (:func:`layer_scores`, the fused kernel included);
+    with it the tiles run on the XLA path (the fused score kernel takes no column window).
 
     Returns the scores (b, r, l) (and the pair for "logit+alti"), split over "seq" on their last axis."""
     b, r, length = f.h.shape[0], rows.shape[0], f.length
