@@ -192,7 +192,9 @@ def _split_layer_scores(f, method, rows, mask, blocks, aux, ctx: Context, aggreg
     combine by a min and a max over "model" and "seq", and each device's asked rows (the plain channel
     mean) are rescaled by it: the whole range computed once across the mesh, not once per device.
     Without "seq" a device runs the one-device path (:func:`layer_scores`, the fused kernel included);
-    with it the tiles run on the XLA path (the fused score kernel takes no column window).
+    with it a compacted window of the Mamba kinds runs the fused kernel over all its slots (the kernel
+    takes no column window: the few columns past the window, its halo and the asked rows' slots, are
+    scored and cut off), any other the XLA tiles with the column window.
 
     Returns the scores (b, r, l) (and the pair for "logit+alti"), split over "seq" on their last axis."""
     b, r, length = f.h.shape[0], rows.shape[0], f.length
@@ -205,6 +207,9 @@ def _split_layer_scores(f, method, rows, mask, blocks, aux, ctx: Context, aggreg
     batch = P(data)
     minmax = method == "hidden_attention" and aggregation == "minmax" and has_ssm(f)
     local = seq is not None and not minmax and f.sequence_local and width % f.slot_unit == 0  # else gathered
+    # the fused Pallas kernel (Mamba kinds, LaTIM scores) on a compacted window: it scores all of its
+    # slots, the 1 + (K - 1) + g past the window's w too, and those columns are cut off
+    kernels = local and ctx.kernels and has_ssm(f) and method in LATIM_METHODS + ("logit+alti",)
     axes = tuple(a for a in (ctx.axis(MODEL), seq) if a is not None)
     all_rows = row_tiles(jnp.arange(length), m * d).reshape(m * d, -1)  # each device's share of every row
     tiles_ = f.tiles(rows_p.shape[0] // m, blocks)
@@ -214,6 +219,14 @@ def _split_layer_scores(f, method, rows, mask, blocks, aux, ctx: Context, aggreg
     def window(f, rows, aux, mask, start):
         """The unnormalised scores of ``rows`` against the sources [start, start + width)."""
         columns = (start, width)
+        if kernels:  # the fused kernel scores every slot of the compacted window; the window is cut out
+            def fused(method):
+                return fused_scores.fused_layer_scores(
+                    f, method, rows, aux=aux, block_sizes=blocks, precision=precision,
+                    reference=_kernel_reference, **ctx.kernel_target(),
+                )[:, :, start : start + width]  # fmt: skip
+
+            return jnp.stack([fused("logit"), fused("alti")], -1) if method == "logit+alti" else fused(method)
         if method == "hidden_attention":
             signed = "signed" if minmax else aggregation
             if has_ssm(f):

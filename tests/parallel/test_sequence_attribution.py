@@ -4,15 +4,15 @@ CPU devices in a subprocess (the device count must be set before jax starts).
 Every layer kind that splits the forward (Mamba-1; Mamba-2 beside attention, MLP and experts; parallel
 and shared blocks; Gated DeltaNet with attention; KDA with latent attention), every method (l2, l1,
 alti, logit with its rollout maps, hidden attention minmax and abs, grad_input), a row subset and every
-row, top_k, the gradient through the split score stage, left padding across shard boundaries, a length
-that "seq" does not divide, and meshes that mix "seq" with "data" and "model". Each layer's score tiles
-are split by source columns: the test records the column window every scored layer ran on (l / D per
-device), so a path that quietly scored every column on every device fails, and alti's row sums cross
-the shards (a psum), so dropping that sum fails the equality. It also records the length of the
-factors the tiles read: the sequence-local kinds (all but the shared block) score from
-the compacted window of latim_jax.latim.source_window (their own sources, the halo, the asked rows),
-so a path that gathered them whole fails; rows before, inside and after each window, in its halo and
-in the padding are all compared.
+row, top_k, the gradient through the split score stage, the fused Pallas kernel (interpreted) on each
+device's window, left padding across shard boundaries, a length that "seq" does not divide, and meshes
+that mix "seq" with "data" and "model". Each layer's score tiles are split by source columns: the test
+records the column window every scored layer ran on (l / D per device), so a path that quietly scored
+every column on every device fails, and alti's row sums cross the shards (a psum), so dropping that sum
+fails the equality. It also records the length of the factors the tiles read: the sequence-local kinds
+(all but the shared block) score from the compacted window of latim_jax.latim.source_window (their own
+sources, the halo, the asked rows), so a path that gathered them whole fails; rows before, inside and
+after each window, in its halo and in the padding are all compared.
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ SCRIPT = textwrap.dedent(
         ("blocks", "data=2 x seq=2 x model=2", "logit", {}),
         ("gdn", "seq=8", "logit", {"rows": None}), ("gdn", "data=2 x seq=2 x model=2", "l2", {}),
         ("kda", "data=2 x seq=4", "alti", {}),
+        ("mamba1", "seq=8", "logit", {"impl": "pallas", "rows": [40, 92]}),  # the fused kernel, interpreted
     ]
 
     windows, lengths = [], []  # the column windows the score stage ran on, and its factors' lengths
@@ -77,6 +78,12 @@ SCRIPT = textwrap.dedent(
         lengths.append(f.length)
         return blocked_scores(f, *args, columns=columns, **kw)
     scores_mod.blocked_scores = spy
+    from latim_jax.kernels import fused_scores
+    kernel_lengths, fused = [], fused_scores.fused_layer_scores
+    def kernel_spy(f, *args, **kw):
+        kernel_lengths.append(f.length)
+        return fused(f, *args, **kw)
+    fused_scores.fused_layer_scores = kernel_spy
 
     def rel(a, b):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
@@ -85,12 +92,12 @@ SCRIPT = textwrap.dedent(
 
     params = {name: init_params(cfg, 1) for name, cfg in CFG.items()}
     for name, mesh_name, method, options in RUNS:
-        options = {"rows": ROWS, **options}
+        options = {"rows": ROWS, "impl": "xla", **options}
         run = lambda **kw: latim_jax.attribute(latim_jax.MambaLM(CFG[name], params[name]), tokens,
-                                               method=method, mask=mask, impl="xla", **options, **kw)
+                                               method=method, mask=mask, **options, **kw)
         want = run()
         shape, axes = MESHES[mesh_name]
-        del windows[:], lengths[:]
+        del windows[:], lengths[:], kernel_lengths[:]
         got = run(mesh=Mesh(devices.reshape(shape), axes))
         errs = {"scores": rel(want.scores, got.scores)}
         for key, value in want.extra.items():
@@ -103,7 +110,9 @@ SCRIPT = textwrap.dedent(
         d = dict(zip(axes, shape))["seq"]
         print(f"REL {name} {mesh_name} {method} {options} {errs} windows {sorted(set(windows))}", flush=True)
         assert max(errs.values()) < TOL, (name, mesh_name, method, errs)
-        if method in ("l2", "l1", "alti", "logit"):  # scored by source columns, l / D per device
+        if options["impl"] == "pallas":  # the fused kernel on each compacted window, no XLA tiles
+            assert kernel_lengths and max(kernel_lengths) < 96 and not windows, (kernel_lengths, windows)
+        elif method in ("l2", "l1", "alti", "logit"):  # scored by source columns, l / D per device
             assert windows and set(windows) == {96 // d}, (name, method, windows)
             # the sequence-local kinds score from their own sources, halo and asked rows (compacted to
             # 1 + w + halo + rows slots, or whole chunks of them for the delta rule, never the
