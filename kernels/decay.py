@@ -48,14 +48,19 @@ class Decay:
     lo: jax.Array
 
 
+def two_sum(a, b):
+    """(a + b, its rounding error) exactly (Knuth's TwoSum): a + b = s + err in real arithmetic."""
+    s = a + b
+    bb = s - a
+    return s, (a - (s - bb)) + (b - bb)
+
+
 def compensated_cumsum(delta) -> Decay:
-    """S_t = sum_{k<=t} delta_k along axis 1 as an unevaluated sum hi + lo (TwoSum per step)."""
+    """S_t = sum_{k<=t} delta_k along axis 1 as an unevaluated sum hi + lo (:func:`two_sum` per step)."""
 
     def step(carry, x):
         hi, lo = carry
-        s = hi + x
-        bb = s - hi
-        err = (hi - (s - bb)) + (x - bb)
+        s, err = two_sum(hi, x)
         lo = lo + err
         return (s, lo), (s, lo)
 

@@ -150,8 +150,9 @@ class DeltaFactors(Factors):
 
         rho = sequence.shift_one(sequence.prefix((P, own), combine, seq, reverse=True), seq, reverse=True)[1]
         n_r = -(-g // C)
-        order = jnp.argsort(jnp.argsort(rows))
-        readout = jnp.zeros((b, H, n_r * C, dk), f32).at[:, :, order].set(rho)
+        after = slots - (lead + width)  # a row after the window: its slot among the rows' (else < 0)
+        at_slot = jnp.where(after >= 0, after, n_r * C)  # the others read nothing of rho (0): dropped
+        readout = jnp.zeros((b, H, n_r * C, dk), f32).at[:, :, at_slot].set(rho, mode="drop")
         readout = jnp.moveaxis(readout.reshape(b, H, n_r, C, dk), 2, 1)
         zero = lambda x, n: jnp.zeros((b, n, *x.shape[2:]), x.dtype)  # noqa: E731
         chunks = delta_rule.TileFactors(

@@ -35,6 +35,7 @@ from latim_jax.kernels.decay import (
     in_window,
     m1_far_or_near,
     m2_far_or_near,
+    two_sum,
 )
 from latim_jax.kernels.products import bmul
 from latim_jax.latim.blocking import tiles
@@ -182,15 +183,23 @@ def factors(
 def cumulative_decay(delta, ctx: Context) -> Decay:
     """S, the compensated cumulative sum of Delta (b, l, c) that M reads (:class:`~latim_jax.kernels.decay.
     Decay`); with the length split over a mesh's "seq" axis, each shard sums its own Delta and adds the
-    earlier shards' totals (:func:`latim_jax.parallel.sequence.compensated_offset`), so no device
-    gathers Delta (the whole-length scan over a split array did: 2 e l fp32 per device for Mamba-1)."""
+    earlier shards' totals, summed in double-float arithmetic (hi + lo) by the log-depth
+    :func:`latim_jax.parallel.sequence.prefix` and made exclusive, so no device gathers Delta (the
+    whole-length scan over a split array did: 2 e l fp32 per device for Mamba-1). The tangent rides on
+    hi alone, as :func:`~latim_jax.kernels.decay.compensated_cumsum` holds lo fixed."""
     seq = ctx.axis(SEQ)
     if seq is None:
         return compensated_cumsum(delta)
 
+    def add(x, y):  # two double-float sums
+        s, err = two_sum(x[0], y[0])
+        return s, x[1] + y[1] + err
+
     def local(delta):
         S = compensated_cumsum(delta)
-        return sequence.compensated_offset(S.hi, S.lo, seq)
+        before_hi, before_lo = sequence.shift_one(sequence.prefix((S.hi[:, -1], S.lo[:, -1]), add, seq), seq)
+        hi, err = two_sum(S.hi, before_hi[:, None])
+        return hi, jax.lax.stop_gradient(S.lo + before_lo[:, None] + err)
 
     spec = sequence.rows_spec(ctx, delta.shape[0], None)
     return Decay(*sequence.split(local, ctx, (spec,), (spec, spec))(delta))

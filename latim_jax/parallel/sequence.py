@@ -35,9 +35,9 @@ Shard k of D holds positions [k l/D, (k+1) l/D) of every prompt (l/D = m). What 
   pass of width v + k (its width-bound terms twice a plain pass's for k = v) and an (m, k) x (k, v)
   product per head, about twice the shard's plain rule, as a rerun from S_in would be.
 - The compensated cumulative sum S of Delta that the hidden attention M reads (kernels/decay.py): each
-  shard sums its own Delta as hi + lo, and :func:`compensated_offset` adds the earlier shards' totals,
-  carried by the same log-depth prefix in double-float (hi, lo) arithmetic, so S keeps its accuracy
-  at any length without a device gathering Delta.
+  shard sums its own Delta as hi + lo and adds the earlier shards' totals, carried by the same
+  log-depth prefix in double-float (hi, lo) arithmetic (:func:`latim_jax.latim.mamba.cumulative_decay`),
+  so S keeps its accuracy at any length without a device gathering Delta.
 - Attention gathers the keys, values and the mask along the length (every device then holds the
   whole K/V) and masks causally with global positions (:mod:`latim_jax.model.attention`).
 
@@ -189,24 +189,3 @@ def delta_carry_in(final, transition, axis: str = SEQ):
     inclusive = prefix((transition.astype(f32), final.astype(f32)), combine, axis)
     return shift_one(inclusive, axis)[1]
 
-
-def two_sum(a, b):
-    """(a + b, its rounding error) exactly (Knuth's TwoSum): a + b = s + err in real arithmetic."""
-    s = a + b
-    bb = s - a
-    return s, (a - (s - bb)) + (b - bb)
-
-
-def compensated_offset(hi, lo, axis: str = SEQ):
-    """A compensated cumulative sum along axis 1 of this shard's values, (hi, lo) (b, m, ...), made
-    global: the earlier shards' totals added, summed in double-float arithmetic (hi + lo) by the
-    log-depth :func:`prefix` and made exclusive. The tangent rides on hi alone (lo's is that of
-    rounding errors, held fixed, as :func:`latim_jax.kernels.decay.compensated_cumsum` holds it)."""
-
-    def add(x, y):
-        s, err = two_sum(x[0], y[0])
-        return s, x[1] + y[1] + err
-
-    before_hi, before_lo = shift_one(prefix((hi[:, -1], lo[:, -1]), add, axis), axis)
-    s, err = two_sum(hi, before_hi[:, None])
-    return s, jax.lax.stop_gradient(lo + before_lo[:, None] + err)
